@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m gpt2kimi.bench <name>`` (``--help`` lists them)."""

@@ -1,0 +1,123 @@
+"""Text data for every chapter: a byte-level tokenizer, a built-in corpus, and random batches.
+
+The built-in corpus is the English text of Python's own reference documentation, which ships with
+every CPython installation as ``pydoc_data.topics`` (about 465 KB). Nothing is downloaded. A reader
+can point :func:`load_corpus` at any UTF-8 text file instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class ByteTokenizer:
+    """Tokens are the 256 possible bytes of UTF-8, so any text round-trips exactly."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int] | torch.Tensor) -> str:
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        bad = [i for i in ids if not 0 <= i < 256]
+        if bad:
+            raise ValueError(f"byte ids must lie in [0, 256), got {bad[:5]}")
+        # A model may emit a byte sequence that is not valid UTF-8; show it rather than fail.
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def builtin_text() -> str:
+    """Python's reference documentation as one string (the topics sorted by name)."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[name] for name in sorted(topics))
+
+
+@dataclass
+class Corpus:
+    """A tokenized text split into training and validation ids (1-D ``torch.long`` tensors)."""
+
+    text: str
+    tokenizer: ByteTokenizer
+    train: torch.Tensor
+    val: torch.Tensor
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+
+def train_val_split(
+    ids: torch.Tensor, val_fraction: float = 0.1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split 1-D ids into a leading training part and a trailing validation part."""
+    if ids.dim() != 1:
+        raise ValueError(f"expected 1-D token ids, got shape {tuple(ids.shape)}")
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
+    n_val = max(1, int(len(ids) * val_fraction))
+    return ids[:-n_val], ids[-n_val:]
+
+
+def load_corpus(path: str | Path | None = None, val_fraction: float = 0.1) -> Corpus:
+    """Load the built-in corpus (``path=None``) or a UTF-8 text file, byte-tokenized and split."""
+    text = builtin_text() if path is None else Path(path).read_text(encoding="utf-8")
+    tokenizer = ByteTokenizer()
+    ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
+    train, val = train_val_split(ids, val_fraction)
+    return Corpus(text=text, tokenizer=tokenizer, train=train, val=val)
+
+
+def get_batch(
+    ids: torch.Tensor,
+    batch_size: int,
+    block_size: int,
+    generator: torch.Generator | None = None,
+    device: str | torch.device = "cpu",
+) -> Batch:
+    """Sample ``batch_size`` random windows of ``block_size`` tokens.
+
+    Returns inputs ``x`` [B, T] and targets ``y`` [B, T], where ``y`` is ``x`` shifted by one.
+    """
+    if len(ids) <= block_size:
+        raise ValueError(f"need more than block_size={block_size} tokens, got {len(ids)}")
+    starts = torch.randint(len(ids) - block_size, (batch_size,), generator=generator)
+    x = torch.stack([ids[s : s + block_size] for s in starts.tolist()])
+    y = torch.stack([ids[s + 1 : s + 1 + block_size] for s in starts.tolist()])
+    return x.to(device), y.to(device)
+
+
+def lm_batches(
+    corpus: Corpus, batch_size: int, block_size: int, seed: int = 0
+) -> Callable[[str], Batch]:
+    """A batch source for :func:`gpt2kimi.train.train`: ``batches("train")`` or ``batches("val")``.
+
+    Each split draws from its own seeded generator, so a run is reproducible.
+    """
+    generators = {
+        "train": torch.Generator().manual_seed(seed),
+        "val": torch.Generator().manual_seed(seed + 1),
+    }
+    splits = {"train": corpus.train, "val": corpus.val}
+
+    def batches(split: str) -> Batch:
+        if split not in splits:
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        return get_batch(splits[split], batch_size, block_size, generators[split])
+
+    return batches
+
+
+def unigram_entropy(ids: torch.Tensor) -> float:
+    """Entropy in nats of the token frequencies: the loss of the best model that ignores context."""
+    counts = torch.bincount(ids.flatten()).double()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())

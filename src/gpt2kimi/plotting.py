@@ -1,0 +1,85 @@
+"""One house style for every figure in the book.
+
+Every plot has labelled axes with units and a title that states the finding. Colours are fixed per
+model family, so "linear attention" is the same colour in every chapter.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import matplotlib as mpl
+import matplotlib.pyplot as plt
+
+if TYPE_CHECKING:
+    from gpt2kimi.train import History
+
+# One colour per memory mechanism, used across chapters.
+COLORS = {
+    "softmax": "#1f77b4",
+    "gpt2": "#1f77b4",
+    "kv_cache": "#17becf",
+    "linear": "#d62728",
+    "deltanet": "#2ca02c",
+    "gated_deltanet": "#9467bd",
+    "kda": "#ff7f0e",
+    "mla": "#8c564b",
+    "moe": "#e377c2",
+    "hybrid": "#7f7f7f",
+}
+
+
+def use_style() -> None:
+    """Apply the book's matplotlib style (call once at the top of a notebook)."""
+    mpl.rcParams.update(
+        {
+            "figure.figsize": (6.4, 3.8),
+            "figure.dpi": 100,
+            "savefig.dpi": 150,
+            "axes.grid": True,
+            "grid.alpha": 0.3,
+            "axes.spines.top": False,
+            "axes.spines.right": False,
+            "axes.titlesize": 11,
+            "axes.titleweight": "bold",
+            "axes.labelsize": 10,
+            "legend.fontsize": 9,
+            "legend.frameon": False,
+            "lines.linewidth": 1.8,
+        }
+    )
+
+
+def new_axes(title: str, xlabel: str, ylabel: str, ax: plt.Axes | None = None) -> plt.Axes:
+    """A fresh (or given) axes with the title and both axis labels set."""
+    if ax is None:
+        _, ax = plt.subplots()
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    return ax
+
+
+def plot_history(
+    history: History, ax: plt.Axes | None = None, label: str = "", color: str | None = None
+) -> plt.Axes:
+    """Training loss (moving average over 20 steps) and validation loss against the step."""
+    if ax is None:
+        ax = new_axes("Training curve", "step", "loss (nats per token)")
+    window = 20
+    losses = history.train_loss
+    smooth = [
+        sum(losses[max(0, i - window + 1) : i + 1]) / (i - max(0, i - window + 1) + 1)
+        for i in range(len(losses))
+    ]
+    prefix = f"{label} " if label else ""
+    (line,) = ax.plot(history.steps, smooth, color=color, alpha=0.8, label=f"{prefix}train")
+    ax.plot(
+        history.val_steps,
+        history.val_loss,
+        "o--",
+        color=line.get_color(),
+        label=f"{prefix}validation",
+    )
+    ax.legend()
+    return ax

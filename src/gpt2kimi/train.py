@@ -1,0 +1,134 @@
+"""The one small training loop that every chapter uses.
+
+AdamW, linear warmup then cosine decay, gradient clipping, periodic validation, and a history that
+plots. A model is anything whose ``model(x, y)`` returns ``(logits, loss)``; a batch source is a
+function ``batches(split)`` with ``split`` in ``{"train", "val"}`` that returns ``(x, y)``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+Batches = Callable[[str], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 500
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    eval_interval: int = 100  # validate every this many steps, and after the last one
+    eval_batches: int = 10
+    log_interval: int = 0  # print progress every this many steps (0: silent)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.eval_interval < 1 or self.eval_batches < 1:
+            raise ValueError("steps, eval_interval and eval_batches must be at least 1")
+        if not 0 <= self.warmup_steps <= self.steps:
+            raise ValueError(f"warmup_steps must lie in [0, steps={self.steps}]")
+
+
+@dataclass
+class History:
+    """Losses in nats per token, recorded during :func:`train`."""
+
+    steps: list[int] = field(default_factory=list)
+    train_loss: list[float] = field(default_factory=list)
+    lr: list[float] = field(default_factory=list)
+    val_steps: list[int] = field(default_factory=list)
+    val_loss: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def plot(self, ax=None, label: str = ""):
+        """Training loss (smoothed) and validation loss against the step."""
+        from gpt2kimi.plotting import plot_history
+
+        return plot_history(self, ax=ax, label=label)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to ``cfg.lr``, then cosine decay to ``cfg.lr * cfg.min_lr_ratio``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
+
+
+def configure_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on biases, norms or gains), as in nanoGPT."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: Batches, n_batches: int, split: str = "val") -> float:
+    """Mean loss over ``n_batches`` batches of ``split``."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    losses = []
+    for _ in range(n_batches):
+        x, y = batches(split)
+        _, loss = model(x.to(device), y.to(device))
+        losses.append(loss.item())
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+def train(model: nn.Module, batches: Batches, cfg: TrainConfig) -> History:
+    """Train ``model`` in place for ``cfg.steps`` steps and return the loss history.
+
+    Deterministic under ``cfg.seed`` on a given device and thread count. Runs on whatever device
+    the model is on; batches are moved there.
+    """
+    torch.manual_seed(cfg.seed)
+    device = next(model.parameters()).device
+    optimizer = configure_optimizer(model, cfg)
+    history = History()
+    model.train()
+    start = time.perf_counter()
+    for step in range(cfg.steps):
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        x, y = batches("train")
+        _, loss = model(x.to(device), y.to(device))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        # Clipping keeps the early, high-learning-rate steps from blowing up small models.
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        history.steps.append(step)
+        history.train_loss.append(loss.item())
+        history.lr.append(lr)
+
+        last = step == cfg.steps - 1
+        if (step + 1) % cfg.eval_interval == 0 or last:
+            history.val_steps.append(step + 1)
+            history.val_loss.append(evaluate(model, batches, cfg.eval_batches))
+        if cfg.log_interval and ((step + 1) % cfg.log_interval == 0 or last):
+            evaluated = history.val_steps[-1:] == [step + 1]
+            val = f" | val {history.val_loss[-1]:.3f}" if evaluated else ""
+            elapsed = time.perf_counter() - start
+            print(f"step {step + 1:>5}/{cfg.steps} | train {loss.item():.3f}{val} | {elapsed:.0f}s")
+    history.seconds = time.perf_counter() - start
+    model.eval()
+    return history

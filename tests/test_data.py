@@ -1,0 +1,76 @@
+import math
+
+import pytest
+import torch
+
+from gpt2kimi.data import (
+    ByteTokenizer,
+    builtin_text,
+    get_batch,
+    lm_batches,
+    load_corpus,
+    train_val_split,
+    unigram_entropy,
+)
+
+
+def test_bytes_round_trip_any_utf8():
+    tok = ByteTokenizer()
+    for text in ["hello", "naïve — ∑ 🚀", "", "\x00\n\t"]:
+        ids = tok.encode(text)
+        assert all(0 <= i < 256 for i in ids)
+        assert tok.decode(ids) == text
+        assert tok.decode(torch.tensor(ids, dtype=torch.long)) == text
+    assert len(tok.encode("é")) == 2  # two UTF-8 bytes
+    with pytest.raises(ValueError, match=r"\[0, 256\)"):
+        tok.decode([300])
+
+
+def test_builtin_corpus_is_pythons_documentation():
+    text = builtin_text()
+    assert 400_000 < len(text) < 600_000
+    assert "assert" in text and "while" in text
+    corpus = load_corpus()
+    assert corpus.vocab_size == 256
+    assert len(corpus.train) + len(corpus.val) == len(text.encode("utf-8"))
+    assert abs(len(corpus.val) / (len(corpus.train) + len(corpus.val)) - 0.1) < 0.001
+
+
+def test_load_corpus_from_a_file(tmp_path):
+    path = tmp_path / "tiny.txt"
+    path.write_text("abc" * 100, encoding="utf-8")
+    corpus = load_corpus(path, val_fraction=0.2)
+    assert corpus.text == "abc" * 100
+    assert len(corpus.val) == 60 and len(corpus.train) == 240
+
+
+def test_split_and_batches():
+    ids = torch.arange(1000)
+    train, val = train_val_split(ids, 0.1)
+    assert torch.equal(torch.cat([train, val]), ids) and len(val) == 100
+    with pytest.raises(ValueError, match="val_fraction"):
+        train_val_split(ids, 1.5)
+    with pytest.raises(ValueError, match="1-D"):
+        train_val_split(ids.view(10, 100))
+    g = torch.Generator().manual_seed(0)
+    x, y = get_batch(train, batch_size=4, block_size=16, generator=g)
+    assert x.shape == y.shape == (4, 16)
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one
+    with pytest.raises(ValueError, match="block_size"):
+        get_batch(torch.arange(10), 2, 10)
+
+
+def test_lm_batches_are_reproducible():
+    corpus = load_corpus()
+    a, b = lm_batches(corpus, 2, 8, seed=3), lm_batches(corpus, 2, 8, seed=3)
+    for split in ("train", "val", "train"):
+        xa, _ = a(split)
+        xb, _ = b(split)
+        assert torch.equal(xa, xb)
+    with pytest.raises(ValueError, match="split"):
+        a("test")
+
+
+def test_unigram_entropy():
+    assert unigram_entropy(torch.tensor([7, 7, 7])) == 0.0
+    assert math.isclose(unigram_entropy(torch.arange(256)), math.log(256), rel_tol=1e-9)
