@@ -1,0 +1,279 @@
+"""Accounting: the KV cache (and recurrent state) of real models, computed from their configs.
+
+One table, :data:`MODELS`, holds the configurations the book compares, each with its source.
+The formulas:
+
+- multi-head / grouped / multi-query attention caches a key and a value per layer and key/value
+  head: ``2 · layers · n_kv_heads · head_dim · bytes_per_element`` bytes per token;
+- Multi-head Latent Attention (MLA, DeepSeek-V2) caches one compressed vector ``c_kv`` and one
+  shared RoPE key per layer: ``layers · (kv_lora_rank + rope_dim) · bytes_per_element``;
+- a linear-attention layer (Kimi Delta Attention) keeps a fixed ``heads × d_k × d_v`` state per
+  sequence, whatever the context length.
+
+Only layers with softmax attention (or MLA) have a KV cache; in a hybrid the others carry the
+fixed state. Unknown values are ``None``; a formula that needs one raises a clear error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpt2kimi.gpt2 import PRESETS, GPT2Config, gpt2_param_count
+
+ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the cache of a model depends on, plus its size, and where the numbers come from."""
+
+    name: str
+    n_layer: int  # all layers (attention + linear)
+    d_model: int
+    attention: str  # kind of the KV-cached layers: "mha" | "gqa" | "mqa" | "mla"
+    n_head: int | None = None  # query heads of the attention layers
+    n_kv_heads: int | None = None  # key/value heads (mha/gqa/mqa); MLA caches no per-head k, v
+    head_dim: int | None = None  # per-head key/value width (MLA: the non-RoPE part, d_nope)
+    kv_lora_rank: int | None = None  # MLA: width of the cached latent c_kv
+    rope_dim: int | None = None  # MLA: width of the one decoupled (RoPE) key shared by all heads
+    n_attn_layers: int | None = None  # layers with a KV cache; None = all n_layer
+    n_linear_layers: int = 0  # layers with a fixed recurrent state (KDA) instead of a cache
+    linear_heads: int | None = None  # heads of each linear layer
+    linear_key_dim: int | None = None  # d_k of each head's state
+    linear_value_dim: int | None = None  # d_v of each head's state
+    n_experts: int | None = None  # routed experts (MoE), None = dense
+    n_active_experts: int | None = None  # routed experts per token
+    n_shared_experts: int | None = None
+    total_params: int | None = None
+    active_params: int | None = None
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(
+                f"{self.name}: attention must be one of {ATTENTION_KINDS}, got {self.attention!r}"
+            )
+        if self.n_attn_layers is not None and self.n_attn_layers + self.n_linear_layers != (
+            self.n_layer
+        ):
+            raise ValueError(
+                f"{self.name}: {self.n_attn_layers} attention + {self.n_linear_layers} linear "
+                f"layers != n_layer={self.n_layer}"
+            )
+
+    @property
+    def cached_layers(self) -> int:
+        """Number of layers that keep a KV cache."""
+        return (
+            self.n_layer - self.n_linear_layers
+            if self.n_attn_layers is None
+            else (self.n_attn_layers)
+        )
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.n_linear_layers > 0
+
+    @property
+    def kind(self) -> str:
+        """A short description such as ``"GQA 32q/8kv"`` or ``"20 KDA + 7 MLA"``."""
+        if self.attention == "mla":
+            heads = f" {self.n_head} heads" if self.n_head else ""
+            core = f"{self.cached_layers} MLA" if self.is_hybrid else f"MLA{heads}"
+        else:
+            heads = f"{self.n_head}q/{self.n_kv_heads}kv" if self.n_head else "?"
+            core = f"{self.attention.upper()} {heads}"
+        return f"{self.n_linear_layers} KDA + {core}" if self.is_hybrid else core
+
+    @classmethod
+    def from_gpt2(
+        cls, name: str, config: GPT2Config, n_kv_heads: int | None = None, source: str = ""
+    ) -> ModelConfig:
+        """The config of a GPT-2 (``n_kv_heads`` < ``n_head`` for its GQA/MQA variants)."""
+        kv = config.n_head if n_kv_heads is None else n_kv_heads
+        kind = "mha" if kv == config.n_head else ("mqa" if kv == 1 else "gqa")
+        params = gpt2_param_count(config) if kv == config.n_head else None
+        return cls(
+            name=name,
+            n_layer=config.n_layer,
+            d_model=config.n_embd,
+            attention=kind,
+            n_head=config.n_head,
+            n_kv_heads=kv,
+            head_dim=config.n_embd // config.n_head,
+            total_params=params,
+            active_params=params,
+            source=source,
+        )
+
+
+def _require(cfg: ModelConfig, *fields: str) -> None:
+    missing = [f for f in fields if getattr(cfg, f) is None]
+    if missing:
+        raise ValueError(
+            f"{cfg.name}: {', '.join(missing)} unknown (not given by the sources), so its cache "
+            "size cannot be computed"
+        )
+
+
+def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_element: int = 2) -> int:
+    """KV-cache bytes one token of one sequence adds, over all cached layers (default bf16)."""
+    if cfg.attention == "mla":
+        _require(cfg, "kv_lora_rank", "rope_dim")
+        return cfg.cached_layers * (cfg.kv_lora_rank + cfg.rope_dim) * bytes_per_element
+    _require(cfg, "n_kv_heads", "head_dim")
+    return 2 * cfg.cached_layers * cfg.n_kv_heads * cfg.head_dim * bytes_per_element
+
+
+def kv_cache_bytes(
+    cfg: ModelConfig, context_len: int, batch: int = 1, bytes_per_element: int = 2
+) -> int:
+    """KV-cache bytes for ``batch`` sequences of ``context_len`` tokens (no recurrent state)."""
+    if context_len < 0 or batch < 0:
+        raise ValueError(f"context_len and batch must be >= 0, got {context_len}, {batch}")
+    return batch * context_len * kv_cache_bytes_per_token(cfg, bytes_per_element)
+
+
+def recurrent_state_bytes(cfg: ModelConfig, batch: int = 1, bytes_per_element: int = 2) -> int:
+    """Bytes of the fixed linear-attention state: ``layers · heads · d_k · d_v`` per sequence.
+
+    Counts the state matrices only (not the short-convolution buffers). 0 for models without
+    linear layers. Implementations often keep this state in fp32: pass ``bytes_per_element=4``.
+    """
+    if not cfg.is_hybrid:
+        return 0
+    _require(cfg, "linear_heads", "linear_key_dim", "linear_value_dim")
+    per_sequence = (
+        cfg.n_linear_layers * cfg.linear_heads * cfg.linear_key_dim * cfg.linear_value_dim
+    )
+    return batch * per_sequence * bytes_per_element
+
+
+def total_cache_bytes(
+    cfg: ModelConfig, context_len: int, batch: int = 1, bytes_per_element: int = 2
+) -> int:
+    """Everything a model keeps per sequence while decoding: KV cache plus recurrent state."""
+    return kv_cache_bytes(cfg, context_len, batch, bytes_per_element) + recurrent_state_bytes(
+        cfg, batch, bytes_per_element
+    )
+
+
+def attention_param_count(d_model: int, n_head: int, n_kv_heads: int, bias: bool = True) -> int:
+    """Parameters of :class:`gpt2kimi.attention.SoftmaxAttention`.
+
+    q and the output projection are ``d × d`` each; k and v are ``d × (n_kv_heads · head_dim)``
+    each, so fewer key/value heads also mean fewer parameters.
+    """
+    kv_dim = n_kv_heads * (d_model // n_head)
+    weights = d_model * (d_model + 2 * kv_dim) + d_model * d_model
+    biases = (d_model + 2 * kv_dim) + d_model if bias else 0
+    return weights + biases
+
+
+def format_bytes(n: float) -> str:
+    """Binary units, three significant figures (whole from 1000 up): ``36 KiB``, ``1.5 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" or abs(n) >= 1000 else f"{n:.3g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+_GPT2_NAMES = {
+    "gpt2": "GPT-2 small",
+    "gpt2-medium": "GPT-2 medium",
+    "gpt2-large": "GPT-2 large",
+    "gpt2-xl": "GPT-2 XL",
+}
+_GPT2_SRC = "Radford et al. 2019; parameters from gpt2.gpt2_param_count"
+
+# The one table of real models. Values are those of the book's reference sheet; None = unknown.
+MODELS: dict[str, ModelConfig] = {
+    **{
+        name: ModelConfig.from_gpt2(
+            _GPT2_NAMES[name],
+            GPT2Config(**preset),
+            source=_GPT2_SRC,
+        )
+        for name, preset in PRESETS.items()
+    },
+    "llama-3-8b": ModelConfig(
+        name="Llama-3-8B",
+        n_layer=32,
+        d_model=4096,
+        attention="gqa",
+        n_head=32,
+        n_kv_heads=8,
+        head_dim=128,
+        total_params=8_000_000_000,  # "8B" as rounded in the sheet
+        active_params=8_000_000_000,
+        source="The Llama 3 Herd of Models (Meta 2024), via the reference sheet",
+    ),
+    "deepseek-v3": ModelConfig(
+        name="DeepSeek-V3",
+        n_layer=61,  # 3 of them with a dense feed-forward
+        d_model=7168,
+        attention="mla",
+        n_head=128,
+        head_dim=128,  # d_nope of each head's key (and width of its value)
+        kv_lora_rank=512,
+        rope_dim=64,
+        n_experts=256,
+        n_active_experts=8,
+        n_shared_experts=1,
+        total_params=671_000_000_000,
+        active_params=37_000_000_000,
+        source="DeepSeek-V3 (DeepSeek-AI 2024), via the reference sheet",
+    ),
+    "kimi-k2": ModelConfig(
+        name="Kimi K2",
+        n_layer=61,  # 1 of them with a dense feed-forward
+        d_model=7168,
+        attention="mla",
+        n_head=64,
+        kv_lora_rank=512,  # the sheet gives 576 cached numbers per layer, as DeepSeek-V3's MLA
+        rope_dim=64,
+        n_experts=384,
+        n_active_experts=8,
+        n_shared_experts=1,
+        total_params=1_040_000_000_000,
+        active_params=32_000_000_000,
+        source="Kimi K2 (Kimi Team 2025), via the reference sheet",
+    ),
+    "kimi-linear-48b-a3b": ModelConfig(
+        name="Kimi-Linear-48B-A3B",
+        n_layer=27,
+        d_model=2304,
+        attention="mla",
+        kv_lora_rank=512,
+        # NoPE: no rotary embedding is applied, but the sheet's 576 cached numbers per MLA layer
+        # include a 64-wide decoupled key, as in DeepSeek-V3.
+        rope_dim=64,
+        n_attn_layers=7,  # MLA at layers 4, 8, 12, 16, 20, 24, 27
+        n_linear_layers=20,  # Kimi Delta Attention
+        linear_heads=32,
+        linear_key_dim=128,
+        linear_value_dim=128,
+        n_experts=256,
+        n_active_experts=8,
+        n_shared_experts=1,
+        total_params=48_000_000_000,
+        active_params=3_000_000_000,
+        source="Kimi Linear (Kimi Team 2025) config, third-party copies, via the reference sheet",
+    ),
+    "kimi-k3": ModelConfig(
+        name="Kimi K3",
+        n_layer=93,
+        d_model=7168,
+        attention="mla",
+        # MLA widths and KDA head sizes are not in the sources: left unknown (None), so byte
+        # formulas raise for this model rather than guess.
+        n_attn_layers=24,
+        n_linear_layers=69,
+        n_experts=896,
+        n_active_experts=16,
+        total_params=2_800_000_000_000,
+        active_params=104_000_000_000,
+        source="third-party documentation (July 2026), via the reference sheet",
+    ),
+}

@@ -1,0 +1,123 @@
+"""Chapter 2: causal softmax attention with fewer key/value heads (MHA, GQA, MQA) and a KV cache.
+
+``n_kv_heads`` chooses how many key/value heads the ``n_head`` query heads share:
+
+- ``n_kv_heads == n_head``: multi-head attention (MHA), as in GPT-2 (Vaswani et al. 2017);
+- ``1 < n_kv_heads < n_head``: grouped-query attention (GQA, Ainslie et al. 2023), as in Llama 3;
+  each group of ``n_head // n_kv_heads`` query heads reads the same key/value head;
+- ``n_kv_heads == 1``: multi-query attention (MQA, Shazeer 2019).
+
+The KV cache stores keys and values, so its size scales with ``n_kv_heads``, not ``n_head``.
+
+Parameter names follow GPT-2 (``c_attn`` computes q, then k, then v in one matmul; ``c_proj`` is
+the output projection): with ``n_kv_heads == n_head`` the layer loads the attention weights of a
+chapter-1 :class:`gpt2kimi.gpt2.Block` directly. ``SoftmaxAttention(d_model, n_head)`` is also the
+"softmax attention" token mixer that later chapters compare their linear memories against.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from gpt2kimi.kv_cache import LayerKVCache
+
+
+def cached_causal_mask(n_new: int, n_past: int, device: torch.device | None = None) -> torch.Tensor:
+    """Which keys each new query may read: bool ``[n_new, n_past + n_new]``, True = allowed.
+
+    The ``n_new`` queries sit at positions ``n_past, …, n_past + n_new - 1``. Query ``i`` reads
+    every cached key (``j < n_past``) and the new keys up to its own position
+    (``j <= n_past + i``). With ``n_past == 0`` this is the usual lower-triangular mask.
+
+    (``F.scaled_dot_product_attention(..., is_causal=True)`` aligns its triangle to the top-left
+    corner, which is only right when there are as many queries as keys.)
+    """
+    query_pos = torch.arange(n_past, n_past + n_new, device=device)[:, None]
+    key_pos = torch.arange(n_past + n_new, device=device)[None, :]
+    return key_pos <= query_pos
+
+
+class SoftmaxAttention(nn.Module):
+    """Causal softmax attention with ``n_kv_heads`` key/value heads and an optional KV cache.
+
+    ``x [B, T, d_model] → [B, T, d_model]``. ``n_kv_heads=None`` means ``n_head`` (plain MHA).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_head: int,
+        n_kv_heads: int | None = None,
+        *,
+        bias: bool = True,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        n_kv_heads = n_head if n_kv_heads is None else n_kv_heads
+        if d_model < 1 or n_head < 1 or n_kv_heads < 1:
+            raise ValueError(
+                f"d_model, n_head and n_kv_heads must be at least 1, "
+                f"got {d_model}, {n_head}, {n_kv_heads}"
+            )
+        if d_model % n_head != 0:
+            raise ValueError(
+                f"d_model={d_model} is not divisible by n_head={n_head}: "
+                "each head needs an equal share of the model width"
+            )
+        if n_head % n_kv_heads != 0:
+            raise ValueError(
+                f"n_head={n_head} is not divisible by n_kv_heads={n_kv_heads}: "
+                "every key/value head must serve the same number of query heads"
+            )
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must lie in [0, 1), got {dropout}")
+        self.d_model = d_model
+        self.n_head = n_head
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = d_model // n_head
+        self.group_size = n_head // n_kv_heads  # query heads per key/value head
+        self.kv_dim = n_kv_heads * self.head_dim
+        self.dropout = dropout
+        # q (d_model), then k and v (kv_dim each), in one matmul, like GPT-2's c_attn.
+        self.c_attn = nn.Linear(d_model, d_model + 2 * self.kv_dim, bias=bias)
+        self.c_proj = nn.Linear(d_model, d_model, bias=bias)
+
+    def split_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, C] → q [B, n_head, T, D], k and v [B, n_kv_heads, T, D]."""
+        B, T, _ = x.shape
+        q, k, v = self.c_attn(x).split([self.d_model, self.kv_dim, self.kv_dim], dim=2)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
+        """x [B, T, C] → [B, T, C]; with a cache, x holds the T tokens that follow the cached ones.
+
+        The new keys and values are written into the cache, and the queries read all cached keys
+        plus the new ones up to their own position. T may be more than 1 (a prompt).
+        """
+        B, T, C = x.shape
+        q, k, v = self.split_heads(x)
+        n_past = 0
+        if cache is not None:
+            n_past = cache.pos
+            k, v = cache.update(k, v)  # now every key and value so far: [B, n_kv, n_past + T, D]
+        if self.group_size > 1:  # query head h reads key/value head h // group_size
+            k = k.repeat_interleave(self.group_size, dim=1)
+            v = v.repeat_interleave(self.group_size, dim=1)
+        dropout = self.dropout if self.training else 0.0
+        if n_past == 0:  # as many queries as keys: the plain causal triangle
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        elif T == 1:  # one new token reads everything cached: no mask needed
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
+        else:
+            mask = cached_causal_mask(T, n_past, device=x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads
+        return self.c_proj(y)

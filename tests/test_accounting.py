@@ -1,0 +1,119 @@
+import dataclasses
+
+import pytest
+import torch
+
+from gpt2kimi.accounting import (
+    MODELS,
+    ModelConfig,
+    attention_param_count,
+    format_bytes,
+    kv_cache_bytes,
+    kv_cache_bytes_per_token,
+    recurrent_state_bytes,
+    total_cache_bytes,
+)
+from gpt2kimi.attention import SoftmaxAttention
+from gpt2kimi.gpt2 import GPT2Config, gpt2_param_count
+from gpt2kimi.kv_cache import GPT2WithCache, KVCache
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a busy CPU threads slow them down a lot."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    "key,expected",
+    [
+        ("gpt2", 36_864),
+        ("llama-3-8b", 131_072),
+        ("deepseek-v3", 70_272),
+        ("kimi-k2", 70_272),
+        ("kimi-linear-48b-a3b", 8_064),
+    ],
+)
+def test_bytes_per_token_at_bf16_match_the_reference_sheet(key, expected):
+    assert kv_cache_bytes_per_token(MODELS[key]) == expected
+
+
+def test_gpt2_small_caches_36_mib_at_1024_tokens():
+    assert kv_cache_bytes(MODELS["gpt2"], 1024) == 36 * 2**20
+    assert kv_cache_bytes(MODELS["gpt2"], 1024, batch=4, bytes_per_element=4) == 288 * 2**20
+
+
+def test_gpt2_parameter_counts_come_from_the_formula():
+    assert MODELS["gpt2"].total_params == 124_439_808
+    for key in ("gpt2-medium", "gpt2-large", "gpt2-xl"):
+        assert MODELS[key].total_params == gpt2_param_count(GPT2Config.from_name(key))
+    assert MODELS["gpt2-xl"].total_params == 1_557_611_200
+
+
+def test_kimi_linear_state_is_fixed_and_added_once_per_sequence():
+    cfg = MODELS["kimi-linear-48b-a3b"]
+    assert (cfg.cached_layers, cfg.n_linear_layers) == (7, 20)
+    state = 20 * 32 * 128 * 128 * 2
+    assert recurrent_state_bytes(cfg) == state
+    assert recurrent_state_bytes(cfg, batch=3, bytes_per_element=4) == 6 * state
+    assert total_cache_bytes(cfg, 1000) == 1000 * 8_064 + state
+    assert total_cache_bytes(MODELS["llama-3-8b"], 10) == 10 * 131_072
+
+
+def test_unknown_dimensions_raise_instead_of_guessing():
+    k3 = MODELS["kimi-k3"]
+    assert (k3.n_layer, k3.cached_layers, k3.n_linear_layers) == (93, 24, 69)
+    assert (k3.total_params, k3.active_params) == (2_800_000_000_000, 104_000_000_000)
+    with pytest.raises(ValueError, match="kv_lora_rank, rope_dim unknown"):
+        kv_cache_bytes_per_token(k3)
+    with pytest.raises(ValueError, match="unknown"):
+        recurrent_state_bytes(k3)
+    assumed = dataclasses.replace(k3, kv_lora_rank=512, rope_dim=64)
+    assert kv_cache_bytes_per_token(assumed) == 24 * 576 * 2
+
+
+def test_every_model_has_a_source_and_consistent_layers():
+    for cfg in MODELS.values():
+        assert cfg.source
+        assert cfg.cached_layers + cfg.n_linear_layers == cfg.n_layer
+
+
+def test_bad_configs_are_rejected():
+    with pytest.raises(ValueError, match="attention must be one of"):
+        ModelConfig(name="x", n_layer=2, d_model=8, attention="linear")
+    with pytest.raises(ValueError, match="!= n_layer"):
+        ModelConfig(name="x", n_layer=3, d_model=8, attention="mla", n_attn_layers=1)
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("dtype,element", [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_real_cache_tensors_take_the_bytes_of_the_formula(n_kv_heads, dtype, element):
+    config = GPT2Config(vocab_size=50, block_size=24, n_layer=3, n_head=4, n_embd=32)
+    model = GPT2WithCache(config, n_kv_heads=n_kv_heads)
+    cache = KVCache.for_model(model, batch_size=2, max_len=20, dtype=dtype)
+    cfg = ModelConfig.from_gpt2("tiny", config, n_kv_heads=n_kv_heads)
+    assert cfg.attention == {4: "mha", 2: "gqa", 1: "mqa"}[n_kv_heads]
+    assert cache.bytes_per_token == kv_cache_bytes_per_token(cfg, bytes_per_element=element)
+    assert cache.nbytes == kv_cache_bytes(cfg, 20, batch=2, bytes_per_element=element)
+    assert cache.nbytes == sum(t.nbytes for layer in cache.layers for t in (layer.k, layer.v))
+
+
+@pytest.mark.parametrize("n_kv_heads", [1, 2, 4, 8])
+def test_attention_param_count_matches_the_module(n_kv_heads):
+    for bias in (True, False):
+        module = SoftmaxAttention(64, 8, n_kv_heads, bias=bias)
+        count = sum(p.numel() for p in module.parameters())
+        assert count == attention_param_count(64, 8, n_kv_heads, bias=bias)
+    assert attention_param_count(768, 12, 12) == 4 * 768 * 768 + 4 * 768  # GPT-2's per layer
+
+
+def test_format_bytes():
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(36_864) == "36 KiB"
+    assert format_bytes(36 * 2**20) == "36 MiB"
+    assert format_bytes(1.5 * 2**30) == "1.5 GiB"
+    assert format_bytes(1008 * 2**20) == "1008 MiB"
+    assert format_bytes(2**50) == "1024 TiB"

@@ -1,0 +1,210 @@
+"""Gated DeltaNet: chunk == recurrent (also under harsh decays), g = 0 is DeltaNet, the layer."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpt2kimi.deltanet import DeltaNetState, delta_rule_chunk, delta_rule_recurrent
+from gpt2kimi.gated_deltanet import (
+    GatedDeltaNet,
+    gated_delta_rule_chunk,
+    gated_delta_rule_recurrent,
+    init_A_log,
+    init_dt_bias,
+    log_decay,
+    pairwise_decay,
+)
+
+B, H, K, V = 2, 3, 8, 5  # K != V on purpose
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float64: dict(atol=1e-10, rtol=1e-10)}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one thread is faster, and immune to thread contention on a busy machine."""
+    n_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n_threads)
+
+
+def make_inputs(T: int, dtype: torch.dtype, seed: int = 0, log_decay_scale: float = 1.0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen, dtype=dtype)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=dtype), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen, dtype=dtype)
+    beta = torch.rand(B, T, H, generator=gen, dtype=dtype)
+    g = F.logsigmoid(torch.randn(B, T, H, generator=gen, dtype=dtype)) * log_decay_scale
+    S0 = torch.randn(B, H, K, V, generator=gen, dtype=dtype)
+    return q, k, v, beta, g, S0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("T, chunk_size", [(37, 16), (5, 16), (32, 16), (9, 1)])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunk_matches_recurrent(dtype, T, chunk_size, with_state):
+    q, k, v, beta, g, S0 = make_inputs(T, dtype)
+    S0 = S0 if with_state else None
+    o_ref, S_ref = gated_delta_rule_recurrent(q, k, v, beta, g, initial_state=S0)
+    o, S = gated_delta_rule_chunk(q, k, v, beta, g, initial_state=S0, chunk_size=chunk_size)
+    assert o.shape == (B, T, H, V) and o.dtype == dtype and S.shape == (B, H, K, V)
+    torch.testing.assert_close(o, o_ref, **TOL[dtype])
+    torch.testing.assert_close(S, S_ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("op", [gated_delta_rule_recurrent, gated_delta_rule_chunk])
+def test_state_carries_the_sequence(op):
+    q, k, v, beta, g, S0 = make_inputs(37, torch.float64)
+    o_full, S_full = op(q, k, v, beta, g, initial_state=S0)
+    first, second = slice(0, 20), slice(20, 37)
+    o1, S1 = op(*(x[:, first] for x in (q, k, v, beta, g)), initial_state=S0)
+    o2, S2 = op(*(x[:, second] for x in (q, k, v, beta, g)), initial_state=S1)
+    torch.testing.assert_close(torch.cat([o1, o2], dim=1), o_full)
+    torch.testing.assert_close(S2, S_full)
+    assert S1.shape == S2.shape == (B, H, K, V)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_g_zero_is_deltanet(dtype):
+    q, k, v, beta, g, S0 = make_inputs(37, dtype)
+    g = torch.zeros_like(g)
+    for gated, plain in [
+        (gated_delta_rule_recurrent, delta_rule_recurrent),
+        (gated_delta_rule_chunk, delta_rule_chunk),
+    ]:
+        o, S = gated(q, k, v, beta, g, initial_state=S0)
+        o_ref, S_ref = plain(q, k, v, beta, initial_state=S0)
+        torch.testing.assert_close(o, o_ref, **TOL[dtype])
+        torch.testing.assert_close(S, S_ref, **TOL[dtype])
+
+
+def test_beta_zero_only_decays_the_memory():
+    """No writes: S_t = exp(Σ_{s<=t} g_s) S_0, so o_t = exp(Σ g) S_0ᵀ q_t."""
+    q, k, v, beta, g, S0 = make_inputs(23, torch.float64)
+    o, S = gated_delta_rule_chunk(
+        q, k, v, torch.zeros_like(beta), g, initial_state=S0, chunk_size=8
+    )
+    decay = g.cumsum(dim=1).exp()  # [B, T, H]
+    expected = decay[..., None] * torch.einsum("bhkv,bthk->bthv", S0, q * K**-0.5)
+    torch.testing.assert_close(o, expected)
+    torch.testing.assert_close(S, decay[:, -1, :, None, None] * S0)
+
+
+def test_harsh_decays_stay_finite_and_exact():
+    """g ≈ −8 per token over 300 tokens, fp32: e^γ underflows to 0 but nothing becomes inf/nan."""
+    T = 300
+    q, k, v, beta, _, S0 = make_inputs(T, torch.float32)
+    g = -8.0 + 0.5 * torch.randn(B, T, H).clamp(-1, 1)
+    inputs = [x.clone().requires_grad_() for x in (q, k, v, beta, g)]
+    o, S = gated_delta_rule_chunk(*inputs, initial_state=S0, chunk_size=64)
+    o_ref, S_ref = gated_delta_rule_recurrent(q, k, v, beta, g, initial_state=S0)
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    torch.testing.assert_close(o, o_ref, **TOL[torch.float32])
+    torch.testing.assert_close(S, S_ref, **TOL[torch.float32])
+    (o.pow(2).sum() + S.pow(2).sum()).backward()  # masked entries must not leak nan gradients
+    for x in inputs:
+        assert torch.isfinite(x.grad).all()
+
+
+def test_chunk_gradients_match_recurrent():
+    q, k, v, beta, g, S0 = make_inputs(21, torch.float64)
+    inputs = [x.requires_grad_() for x in (q, k, v, beta, g, S0)]
+
+    def grads(op, **kw):
+        o, S = op(*inputs[:5], initial_state=inputs[5], **kw)
+        return torch.autograd.grad(o.pow(2).sum() + S.pow(2).sum(), inputs)
+
+    chunk, ref = grads(gated_delta_rule_chunk, chunk_size=8), grads(gated_delta_rule_recurrent)
+    for g_chunk, g_ref in zip(chunk, ref, strict=True):
+        torch.testing.assert_close(g_chunk, g_ref)
+
+
+def test_pairwise_decay_is_masked_before_exp():
+    gamma = torch.tensor([0.0, -500.0, -1000.0])  # exp(γ_j − γ_i) above the diagonal is e^{1000}
+    Gamma = pairwise_decay(gamma)
+    assert torch.isfinite(Gamma).all()
+    assert (Gamma.triu(1) == 0).all() and (Gamma.diagonal() == 1).all()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(g=torch.randn(B, 7, H, K)), r"g must have shape \[B, T, H\] = \[2, 7, 3\]"),
+        (dict(beta=torch.rand(B, 6, H)), r"beta must have shape \[B, T, H\] = \[2, 7, 3\]"),
+        (dict(initial_state=torch.randn(H, K, V)), r"initial_state must have shape \[B, H, K, V\]"),
+        (dict(chunk_size=0), r"chunk_size must be a positive integer"),
+    ],
+)
+def test_bad_inputs_raise(change, message):
+    args = dict(
+        q=torch.randn(B, 7, H, K),
+        k=torch.randn(B, 7, H, K),
+        v=torch.randn(B, 7, H, V),
+        beta=torch.rand(B, 7, H),
+        g=-torch.rand(B, 7, H),
+    )
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        gated_delta_rule_chunk(**args)
+
+
+# ---------------------------------------------------------------------------------------------
+# the gate and the layer
+
+
+def test_mamba2_gate_initialisation():
+    torch.manual_seed(0)
+    A = init_A_log(1000).exp()
+    dt = F.softplus(init_dt_bias(1000))
+    assert A.min() > 0 and A.max() <= 16
+    assert dt.min() >= 1e-3 * (1 - 1e-4) and dt.max() <= 0.1 * (1 + 1e-4)
+    assert abs(dt.log().mean().item() - math.log(1e-2)) < 0.2  # log-uniform: centred at 1e-2
+    g = log_decay(torch.randn(5, 1000), init_A_log(1000), init_dt_bias(1000))
+    assert (g <= 0).all()
+
+
+def make_layer() -> GatedDeltaNet:
+    torch.manual_seed(0)
+    return GatedDeltaNet(32, 4, chunk_size=8).double()
+
+
+def test_layer_shape_and_causality():
+    layer = make_layer()
+    x = torch.randn(2, 23, 32, dtype=torch.float64)
+    y = layer(x)
+    assert y.shape == x.shape
+    t = 11
+    x2 = x.clone()
+    x2[:, t] += 1.0
+    y2 = layer(x2)
+    torch.testing.assert_close(y2[:, :t], y[:, :t])
+    assert not torch.allclose(y2[:, t], y[:, t])
+
+
+def test_layer_decoding_in_pieces_equals_one_call():
+    layer = make_layer()
+    x = torch.randn(2, 23, 32, dtype=torch.float64)
+    y_full = layer(x)
+    state, pieces = None, []
+    for start, stop in [(0, 2), (2, 3), (3, 4), (4, 13), (13, 23)]:
+        y, state = layer(x[:, start:stop], state, return_state=True)
+        pieces.append(y)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), y_full)
+    assert isinstance(state, DeltaNetState) and state.memory.shape == (2, 4, 8, 8)
+
+
+def test_layer_gradients_flow():
+    layer = make_layer()
+    x = torch.randn(2, 9, 32, dtype=torch.float64, requires_grad=True)
+    layer(x).pow(2).mean().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    assert layer.A_log.grad.abs().sum() > 0 and layer.dt_bias.grad.abs().sum() > 0
+
+
+def test_layer_rejects_indivisible_heads():
+    with pytest.raises(ValueError, match="divisible by n_head"):
+        GatedDeltaNet(32, 5)

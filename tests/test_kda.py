@@ -1,0 +1,219 @@
+"""Kimi Delta Attention: chunk == recurrent, a channel-constant gate is Gated DeltaNet."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpt2kimi.deltanet import DeltaNetState, delta_rule_chunk
+from gpt2kimi.gated_deltanet import gated_delta_rule_chunk, gated_delta_rule_recurrent
+from gpt2kimi.kda import (
+    KimiDeltaAttention,
+    decayed_products,
+    kda_chunk,
+    kda_recurrent,
+    pairwise_channel_decay,
+)
+
+B, H, K, V = 2, 3, 8, 5  # K != V on purpose
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float64: dict(atol=1e-10, rtol=1e-10)}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one thread is faster, and immune to thread contention on a busy machine."""
+    n_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n_threads)
+
+
+def make_inputs(T: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen, dtype=dtype)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=dtype), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen, dtype=dtype)
+    beta = torch.rand(B, T, H, generator=gen, dtype=dtype)
+    g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen, dtype=dtype))  # one per channel
+    S0 = torch.randn(B, H, K, V, generator=gen, dtype=dtype)
+    return q, k, v, beta, g, S0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("T, chunk_size", [(37, 16), (5, 16), (32, 16), (9, 1), (70, 64)])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunk_matches_recurrent(dtype, T, chunk_size, with_state):
+    q, k, v, beta, g, S0 = make_inputs(T, dtype)
+    S0 = S0 if with_state else None
+    o_ref, S_ref = kda_recurrent(q, k, v, beta, g, initial_state=S0)
+    o, S = kda_chunk(q, k, v, beta, g, initial_state=S0, chunk_size=chunk_size)
+    assert o.shape == (B, T, H, V) and o.dtype == dtype and S.shape == (B, H, K, V)
+    torch.testing.assert_close(o, o_ref, **TOL[dtype])
+    torch.testing.assert_close(S, S_ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("op", [kda_recurrent, kda_chunk])
+def test_state_carries_the_sequence(op):
+    q, k, v, beta, g, S0 = make_inputs(37, torch.float64)
+    o_full, S_full = op(q, k, v, beta, g, initial_state=S0)
+    first, second = slice(0, 20), slice(20, 37)
+    o1, S1 = op(*(x[:, first] for x in (q, k, v, beta, g)), initial_state=S0)
+    o2, S2 = op(*(x[:, second] for x in (q, k, v, beta, g)), initial_state=S1)
+    torch.testing.assert_close(torch.cat([o1, o2], dim=1), o_full)
+    torch.testing.assert_close(S2, S_full)
+    assert S1.shape == S2.shape == (B, H, K, V)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_channel_constant_gate_is_gated_deltanet(dtype):
+    q, k, v, beta, g, S0 = make_inputs(37, dtype)
+    g_head = g[..., 0]  # [B, T, H]: one decay per head ...
+    g_channels = g_head[..., None].expand(B, 37, H, K)  # ... copied to every key channel
+    for kda, gdn in [
+        (kda_recurrent, gated_delta_rule_recurrent),
+        (kda_chunk, gated_delta_rule_chunk),
+    ]:
+        o, S = kda(q, k, v, beta, g_channels, initial_state=S0)
+        o_ref, S_ref = gdn(q, k, v, beta, g_head, initial_state=S0)
+        torch.testing.assert_close(o, o_ref, **TOL[dtype])
+        torch.testing.assert_close(S, S_ref, **TOL[dtype])
+
+
+def test_g_zero_is_deltanet():
+    q, k, v, beta, g, S0 = make_inputs(37, torch.float64)
+    o, S = kda_chunk(q, k, v, beta, torch.zeros_like(g), initial_state=S0, chunk_size=16)
+    o_ref, S_ref = delta_rule_chunk(q, k, v, beta, initial_state=S0, chunk_size=16)
+    torch.testing.assert_close(o, o_ref)
+    torch.testing.assert_close(S, S_ref)
+
+
+def test_beta_zero_decays_each_key_channel():
+    """No writes: S_T = Diag(exp(Σ_t g_t)) S_0, row c of the memory fading at its own rate."""
+    q, k, v, beta, g, S0 = make_inputs(23, torch.float64)
+    _, S = kda_chunk(q, k, v, torch.zeros_like(beta), g, initial_state=S0, chunk_size=8)
+    torch.testing.assert_close(S, g.sum(dim=1).exp()[..., None] * S0)
+
+
+def test_harsh_decays_stay_finite_and_exact():
+    """g ≈ −8 per token and channel over 300 tokens, fp32: no inf/nan, forward or backward."""
+    T = 300
+    q, k, v, beta, _, S0 = make_inputs(T, torch.float32)
+    g = -8.0 + 0.5 * torch.randn(B, T, H, K).clamp(-1, 1)
+    inputs = [x.clone().requires_grad_() for x in (q, k, v, beta, g)]
+    o, S = kda_chunk(*inputs, initial_state=S0, chunk_size=64)
+    o_ref, S_ref = kda_recurrent(q, k, v, beta, g, initial_state=S0)
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    torch.testing.assert_close(o, o_ref, **TOL[torch.float32])
+    torch.testing.assert_close(S, S_ref, **TOL[torch.float32])
+    (o.pow(2).sum() + S.pow(2).sum()).backward()
+    for x in inputs:
+        assert torch.isfinite(x.grad).all()
+
+
+def test_chunk_gradients_match_recurrent():
+    q, k, v, beta, g, S0 = make_inputs(21, torch.float64)
+    inputs = [x.requires_grad_() for x in (q, k, v, beta, g, S0)]
+
+    def grads(op, **kw):
+        o, S = op(*inputs[:5], initial_state=inputs[5], **kw)
+        return torch.autograd.grad(o.pow(2).sum() + S.pow(2).sum(), inputs)
+
+    for g_chunk, g_ref in zip(grads(kda_chunk, chunk_size=8), grads(kda_recurrent), strict=True):
+        torch.testing.assert_close(g_chunk, g_ref)
+
+
+@pytest.mark.parametrize("sub_chunk", [1, 2, 3, 6, 4])  # 4 does not divide 6: one sub-chunk
+def test_decayed_products_match_their_definition(sub_chunk):
+    C = 6
+    q, k = torch.randn(2, C, K, dtype=torch.float64), torch.randn(2, C, K, dtype=torch.float64)
+    gamma = F.logsigmoid(torch.randn(2, C, K, dtype=torch.float64)).cumsum(dim=-2)
+    kk, qk = decayed_products(q, k, gamma, sub_chunk=sub_chunk)
+    for i in range(C):
+        for j in range(C):
+            decay = (gamma[:, i] - gamma[:, j]).exp() if j <= i else torch.zeros(2, K)
+            torch.testing.assert_close(kk[:, i, j], (k[:, i] * k[:, j] * decay).sum(-1))
+            torch.testing.assert_close(qk[:, i, j], (q[:, i] * k[:, j] * decay).sum(-1))
+
+
+def test_pairwise_channel_decay_is_masked_before_exp():
+    gamma = torch.tensor([[0.0, 0.0], [-500.0, -1.0], [-1000.0, -2.0]])  # [C=3, K=2]
+    Gamma = pairwise_channel_decay(gamma)
+    assert Gamma.shape == (3, 3, 2) and torch.isfinite(Gamma).all()
+    assert (Gamma[0, 1:] == 0).all() and (Gamma[1, 2] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(g=-torch.rand(B, 7, H)), r"g must have shape \[B, T, H, K\] = \[2, 7, 3, 8\]"),
+        (dict(q=torch.randn(B, 7, H, V)), r"k must have shape \[B, T, H, K\]"),
+        (dict(beta=torch.rand(B, 7)), r"beta must have shape \[B, T, H\] = \[2, 7, 3\]"),
+        (dict(initial_state=torch.randn(B, H, K)), r"initial_state must have shape \[B, H, K, V\]"),
+        (dict(chunk_size=2.5), r"chunk_size must be a positive integer"),
+    ],
+)
+def test_bad_inputs_raise(change, message):
+    args = dict(
+        q=torch.randn(B, 7, H, K),
+        k=torch.randn(B, 7, H, K),
+        v=torch.randn(B, 7, H, V),
+        beta=torch.rand(B, 7, H),
+        g=-torch.rand(B, 7, H, K),
+    )
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        kda_chunk(**args)
+
+
+# ---------------------------------------------------------------------------------------------
+# the layer
+
+
+def make_layer() -> KimiDeltaAttention:
+    torch.manual_seed(0)
+    return KimiDeltaAttention(32, 4, chunk_size=8).double()
+
+
+def test_layer_shape_and_causality():
+    layer = make_layer()
+    x = torch.randn(2, 23, 32, dtype=torch.float64)
+    y = layer(x)
+    assert y.shape == x.shape
+    t = 11
+    x2 = x.clone()
+    x2[:, t] += 1.0
+    y2 = layer(x2)
+    torch.testing.assert_close(y2[:, :t], y[:, :t])
+    assert not torch.allclose(y2[:, t], y[:, t])
+
+
+def test_layer_decoding_in_pieces_equals_one_call():
+    layer = make_layer()
+    x = torch.randn(2, 23, 32, dtype=torch.float64)
+    y_full = layer(x)
+    state, pieces = None, []
+    for start, stop in [(0, 2), (2, 3), (3, 4), (4, 13), (13, 23)]:
+        y, state = layer(x[:, start:stop], state, return_state=True)
+        pieces.append(y)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), y_full)
+    assert isinstance(state, DeltaNetState) and state.memory.shape == (2, 4, 8, 8)
+
+
+def test_layer_gradients_flow():
+    layer = make_layer()
+    x = torch.randn(2, 9, 32, dtype=torch.float64, requires_grad=True)
+    layer(x).pow(2).mean().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    assert layer.A_log.grad.abs().sum() > 0 and layer.dt_bias.grad.abs().sum() > 0
+
+
+def test_layer_gate_is_low_rank_and_per_channel():
+    layer = make_layer()
+    assert layer.f_proj[0].out_features == layer.head_dim  # rank = head dim
+    assert layer.A_log.shape == (4,) and layer.dt_bias.shape == (32,)
+
+
+def test_layer_rejects_indivisible_heads():
+    with pytest.raises(ValueError, match="divisible by n_head"):
+        KimiDeltaAttention(32, 3)

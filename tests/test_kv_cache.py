@@ -1,0 +1,179 @@
+import pytest
+import torch
+
+from gpt2kimi.gpt2 import GPT2, GPT2Config
+from gpt2kimi.kv_cache import (
+    CacheOverflowError,
+    GPT2WithCache,
+    KVCache,
+    LayerKVCache,
+    generate,
+)
+
+TINY = GPT2Config(vocab_size=97, block_size=32, n_layer=2, n_head=4, n_embd=32)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a busy CPU threads slow them down a lot."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(n_kv_heads=None, seed=0, cls=GPT2WithCache):
+    torch.manual_seed(seed)
+    kwargs = {} if cls is GPT2 else {"n_kv_heads": n_kv_heads}
+    return cls(TINY, **kwargs).eval()
+
+
+def prompt(batch=3, length=5, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, TINY.vocab_size, (batch, length), generator=generator)
+
+
+def test_same_parameters_and_outputs_as_chapter_1():
+    gpt2, cached = tiny_model(cls=GPT2), tiny_model()
+    assert gpt2.state_dict().keys() == cached.state_dict().keys()
+    for name, p in gpt2.state_dict().items():  # same seed, same initial weights
+        assert torch.equal(p, cached.state_dict()[name]), name
+    x = prompt(2, 12)
+    torch.testing.assert_close(cached(x), gpt2(x))
+    converted = GPT2WithCache.from_gpt2(gpt2)
+    torch.testing.assert_close(converted(x), gpt2(x))
+    assert converted.lm_head.weight is converted.transformer.wte.weight  # still tied
+    gqa = tiny_model(n_kv_heads=2)
+    torch.testing.assert_close(GPT2WithCache.from_gpt2(gqa)(x), gqa(x))
+
+
+@pytest.mark.parametrize("n_kv_heads", [None, 2, 1])
+def test_cached_logits_equal_a_full_forward_pass(n_kv_heads):
+    model = tiny_model(n_kv_heads)
+    x = prompt(3, 20)
+    full = model(x)
+    cache = KVCache.for_model(model, batch_size=3)
+    pieces = [model(x[:, :7], cache=cache)]  # prefill with a 7-token prompt
+    for t in range(7, 15):  # then one token at a time
+        pieces.append(model(x[:, t : t + 1], cache=cache))
+    pieces.append(model(x[:, 15:], cache=cache))  # then a chunk of 5
+    assert cache.pos == 20
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_kv_heads", [None, 2, 1])
+def test_greedy_generation_is_identical_with_and_without_cache(n_kv_heads):
+    model = tiny_model(n_kv_heads)
+    x = prompt(3, 5)
+    with_cache = generate(model, x, 20)
+    without = generate(model, x, 20, use_cache=False)
+    assert with_cache.shape == (3, 25)
+    assert torch.equal(with_cache, without)
+    assert torch.equal(with_cache[:, :5], x)
+
+
+def test_greedy_matches_chapter_1_generate_and_accepts_a_plain_gpt2():
+    gpt2 = tiny_model(cls=GPT2)
+    x = prompt(2, 4)
+    expected = gpt2.generate(x, 10, temperature=0.0)
+    assert torch.equal(generate(gpt2, x, 10), expected)  # converted to GPT2WithCache inside
+    assert torch.equal(generate(gpt2, x, 10, use_cache=False), expected)
+
+
+def test_sampling_with_a_seed_is_the_same_with_and_without_cache():
+    model = tiny_model()
+    x = prompt(2, 3)
+    outs = [
+        generate(model, x, 12, use_cache=use_cache, temperature=0.8, top_k=10,
+                 generator=torch.Generator().manual_seed(7))
+        for use_cache in (True, False)
+    ]
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_zero_new_tokens_and_a_full_block():
+    model = tiny_model()
+    x = prompt(1, 4)
+    assert torch.equal(generate(model, x, 0), x)
+    assert generate(model, x, TINY.block_size - 4).shape == (1, TINY.block_size)
+
+
+def test_going_past_block_size_is_a_clear_error():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="longer than block_size=32"):
+        generate(model, prompt(1, 30), 3)
+    with pytest.raises(ValueError, match="longer than block_size=32"):
+        generate(model, prompt(1, 30), 3, use_cache=False)
+    with pytest.raises(ValueError, match="longer than block_size"):
+        KVCache.for_model(model, 1, max_len=33)
+    cache = KVCache.for_model(model, 1)
+    model(prompt(1, 30), cache=cache)
+    with pytest.raises(ValueError, match="longer than block_size=32"):
+        model(prompt(1, 3), cache=cache)
+
+
+def test_bad_prompts_are_rejected():
+    model = tiny_model()
+    with pytest.raises(ValueError, match=r"shape \[B, T\]"):
+        generate(model, torch.zeros(5, dtype=torch.long), 3)
+    with pytest.raises(ValueError, match=r"shape \[B, T\]"):
+        generate(model, torch.zeros(2, 0, dtype=torch.long), 3)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, prompt(), -1)
+    cache = KVCache.for_model(model, 2)
+    with pytest.raises(ValueError, match="batch size 2"):
+        model(prompt(3, 2), cache=cache)
+
+
+def test_layer_cache_is_preallocated_and_overflows_clearly():
+    cache = LayerKVCache(2, 3, 6, 4)
+    assert cache.k.shape == (2, 3, 6, 4) and cache.pos == 0
+    assert cache.nbytes == 2 * 2 * 3 * 6 * 4 * 4  # k and v, float32
+    assert cache.bytes_per_token == 2 * 3 * 4 * 4
+    k, v = torch.randn(2, 3, 4, 4), torch.randn(2, 3, 4, 4)
+    k_all, v_all = cache.update(k, v)
+    assert torch.equal(k_all, k) and torch.equal(v_all, v) and cache.pos == 4
+    k_all, _ = cache.update(k[:, :, :2], v[:, :, :2])
+    assert k_all.shape == (2, 3, 6, 4) and k_all.data_ptr() == cache.k.data_ptr()  # a view
+    with pytest.raises(CacheOverflowError, match="holds 6 tokens; 6 are cached and 1 more"):
+        cache.update(k[:, :, :1], v[:, :, :1])
+    with pytest.raises(ValueError, match="expected k and v of shape"):
+        cache.update(torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4))
+    cache.reset()
+    assert cache.pos == 0
+
+
+def test_model_cache_bytes():
+    model = tiny_model(n_kv_heads=2)
+    cache = KVCache.for_model(model, batch_size=3, max_len=10)
+    per_token = 2 * TINY.n_layer * 2 * (TINY.n_embd // TINY.n_head) * 4
+    assert cache.bytes_per_token == per_token
+    assert cache.nbytes == 3 * 10 * per_token
+    model(prompt(3, 4), cache=cache)
+    assert (cache.pos, cache.used_bytes) == (4, 3 * 4 * per_token)
+    cache.reset()
+    assert cache.pos == 0
+
+
+def test_training_still_works():
+    model = tiny_model(n_kv_heads=2).train()
+    x = prompt(2, 8)
+    _, loss = model(x[:, :-1], x[:, 1:])
+    loss.backward()
+    assert model.transformer.h[0].attn.c_attn.weight.grad is not None
+
+
+def test_benchmark_helpers_on_a_tiny_model():
+    """Structure only: unit tests never assert timings."""
+    from gpt2kimi.bench.kv_cache import format_table, generation_times, measure
+
+    model = tiny_model()
+    times = generation_times(model, prompt(1, 4), 6, use_cache=True)
+    assert len(times) == 6 and times[0] > 0 and times == sorted(times)
+    rows = measure(model, new_tokens=(2, 5), prompt_len=3, repeats=2)
+    assert [r.new_tokens for r in rows] == [2, 5]
+    assert all(r.tokens_per_s_with_cache > 0 and r.speedup > 0 for r in rows)
+    table = format_table(rows).splitlines()
+    assert len(table) == 3 and "speed-up" in table[0]
+    with pytest.raises(ValueError, match="positive"):
+        measure(model, new_tokens=(0,))
