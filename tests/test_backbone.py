@@ -1,0 +1,189 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpt2kimi.attention import SoftmaxAttention
+from gpt2kimi.backbone import (
+    BackboneConfig,
+    LanguageModel,
+    RMSNorm,
+    ShortConv,
+    SwiGLU,
+    count_parameters,
+    residual_projection,
+    swiglu_hidden,
+)
+
+CFG = BackboneConfig(vocab_size=50, d_model=32, n_layer=2, n_head=4)
+
+
+class CausalMean(nn.Module):
+    """A stand-in token mixer: the running mean of the projected inputs (causal, no chapter)."""
+
+    def __init__(self, d_model: int, n_head: int) -> None:
+        super().__init__()
+        self.o_proj = nn.Linear(d_model, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        counts = torch.arange(1, x.size(1) + 1, device=x.device)[None, :, None]
+        return self.o_proj(x.cumsum(dim=1) / counts)
+
+
+def ids(B: int = 2, T: int = 10, V: int = 50, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def test_logits_and_loss_like_gpt2_with_ignored_targets():
+    torch.manual_seed(0)
+    model = LanguageModel(CFG, SoftmaxAttention)
+    x = ids()
+    logits = model(x)
+    assert logits.shape == (2, 10, 50)
+    y = ids(seed=1)
+    y[:, :4] = -100
+    out_logits, loss = model(x, y)
+    assert torch.equal(out_logits, logits)
+    keep = y != -100
+    expected = F.cross_entropy(logits[keep], y[keep])
+    assert torch.allclose(loss, expected, atol=1e-6)
+
+
+def test_head_is_tied_to_the_embedding():
+    model = LanguageModel(CFG, CausalMean)
+    assert model.lm_head.weight is model.embed.weight
+    # parameters() counts the shared matrix once
+    untied = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
+    assert untied - count_parameters(model) == 50 * 32
+
+
+@pytest.mark.parametrize("short_conv", [0, 3])
+@pytest.mark.parametrize("n_positions", [None, 16])
+def test_the_model_is_causal(short_conv, n_positions):
+    torch.manual_seed(0)
+    cfg = BackboneConfig(
+        vocab_size=50, d_model=32, n_head=4, short_conv=short_conv, n_positions=n_positions
+    )
+    model = LanguageModel(cfg, SoftmaxAttention).eval()
+    x = ids(T=12)
+    x2 = x.clone()
+    x2[:, 7:] = (x2[:, 7:] + 1) % 50  # change the future
+    with torch.no_grad():
+        a, b = model(x), model(x2)
+    assert torch.allclose(a[:, :7], b[:, :7], atol=1e-6)
+    assert not torch.allclose(a[:, 7:], b[:, 7:])
+
+
+def test_short_conv_reads_only_the_last_kernel_size_tokens():
+    torch.manual_seed(0)
+    conv = ShortConv(8, kernel_size=2)
+    x = torch.randn(1, 6, 8)
+    y = conv(x)
+    w = conv.conv.weight[:, 0, :]  # [C, kernel]: tap 0 reads t-1, tap 1 reads t
+    expected = x + w[:, 1] * x + F.pad(x, (0, 0, 1, 0))[:, :-1] * w[:, 0]
+    assert torch.allclose(y, expected, atol=1e-6)
+
+
+def test_per_layer_mixers_build_a_hybrid():
+    cfg = BackboneConfig(vocab_size=50, d_model=32, n_layer=3, n_head=4)
+    model = LanguageModel(cfg, [CausalMean, CausalMean, SoftmaxAttention])
+    kinds = [type(block.mixer) for block in model.blocks]
+    assert kinds == [CausalMean, CausalMean, SoftmaxAttention]
+    assert model(ids()).shape == (2, 10, 50)
+
+
+def test_wrong_number_of_per_layer_parts_raises():
+    with pytest.raises(ValueError, match="got 1 mixer constructors for n_layer=2"):
+        LanguageModel(CFG, [CausalMean])
+    with pytest.raises(ValueError, match="got 3 ffn constructors for n_layer=2"):
+        LanguageModel(CFG, CausalMean, [SwiGLU] * 3)
+    with pytest.raises(TypeError, match="mixer must be a constructor"):
+        LanguageModel(CFG, "softmax")
+    with pytest.raises(TypeError, match="mixer 1 is not callable"):
+        LanguageModel(CFG, [CausalMean, 3])
+
+
+def test_custom_feed_forward_and_swiglu_defaults():
+    model = LanguageModel(CFG, CausalMean)
+    assert all(isinstance(block.ffn, SwiGLU) for block in model.blocks)
+    assert swiglu_hidden(32) == 88  # 8/3 · 32 = 85.3, rounded up to a multiple of 8
+    assert swiglu_hidden(768) == 2048
+    ffn = SwiGLU(32)
+    assert count_parameters(ffn) == 3 * 32 * 88
+    mlp = LanguageModel(CFG, CausalMean, lambda d: nn.Sequential(nn.Linear(d, d), nn.GELU()))
+    assert isinstance(mlp.blocks[0].ffn, nn.Sequential)
+
+
+def test_config_errors_are_clear():
+    with pytest.raises(ValueError, match="not divisible by n_head"):
+        BackboneConfig(vocab_size=10, d_model=30, n_head=4)
+    with pytest.raises(ValueError, match="vocab_size must be at least 1"):
+        BackboneConfig(vocab_size=0)
+    with pytest.raises(ValueError, match="short_conv"):
+        BackboneConfig(vocab_size=10, short_conv=-1)
+    with pytest.raises(ValueError, match="norm must be one of"):
+        BackboneConfig(vocab_size=10, norm="batchnorm")
+    with pytest.raises(ValueError, match="n_positions"):
+        BackboneConfig(vocab_size=10, n_positions=0)
+
+
+def test_input_errors_are_clear():
+    model = LanguageModel(
+        BackboneConfig(vocab_size=50, d_model=32, n_head=4, n_positions=8), CausalMean
+    )
+    with pytest.raises(ValueError, match=r"shape \[B, T\]"):
+        model(torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="must lie in"):
+        model(torch.full((1, 4), 50))
+    with pytest.raises(ValueError, match="longer than n_positions=8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+    with pytest.raises(ValueError, match="must be integers"):
+        model(torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="targets must have the shape"):
+        model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 5, dtype=torch.long))
+
+
+def test_a_mixer_with_the_wrong_output_shape_is_reported():
+    class Halve(nn.Module):
+        def __init__(self, d_model, n_head):
+            super().__init__()
+            self.lin = nn.Linear(d_model, d_model // 2)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    with pytest.raises(ValueError, match="must map"):
+        LanguageModel(CFG, Halve)(ids())
+
+
+def test_nope_by_default_and_learned_positions_on_request():
+    assert LanguageModel(CFG, CausalMean).pos_embed is None
+    cfg = BackboneConfig(vocab_size=50, d_model=32, n_head=4, n_positions=16)
+    assert LanguageModel(cfg, CausalMean).pos_embed.weight.shape == (16, 32)
+
+
+def test_gpt2_initialisation_with_scaled_residual_projections():
+    torch.manual_seed(0)
+    cfg = BackboneConfig(vocab_size=512, d_model=128, n_layer=8, n_head=4)
+    model = LanguageModel(cfg, SoftmaxAttention)
+    assert abs(model.embed.weight.std().item() - 0.02) < 0.002
+    block = model.blocks[0]
+    scaled = 0.02 / math.sqrt(2 * 8)
+    assert residual_projection(block.mixer) is block.mixer.c_proj
+    assert residual_projection(block.ffn) is block.ffn.down_proj
+    assert abs(block.mixer.c_proj.weight.std().item() - scaled) < 0.1 * scaled
+    assert abs(block.ffn.down_proj.weight.std().item() - scaled) < 0.1 * scaled
+    assert abs(block.ffn.up_proj.weight.std().item() - 0.02) < 0.002
+    assert torch.count_nonzero(block.mixer.c_attn.bias) == 0
+
+
+def test_rmsnorm_and_layernorm_options():
+    x = torch.randn(3, 5, 16) * 7
+    y = RMSNorm(16)(x)
+    assert torch.allclose(y.pow(2).mean(-1), torch.ones(3, 5), atol=1e-3)
+    cfg = BackboneConfig(vocab_size=50, d_model=32, n_head=4, norm="layernorm")
+    model = LanguageModel(cfg, CausalMean)
+    assert isinstance(model.norm_f, nn.LayerNorm)
+    assert model(ids()).shape == (2, 10, 50)
