@@ -74,7 +74,7 @@ class BackboneConfig:
 
 
 class RMSNorm(nn.Module):
-    """``x / rms(x) · weight`` over the last dimension (Zhang & Sennrich 2019); no mean, no bias."""
+    """``x / rms(x) · weight`` over the last dim (Zhang & Sennrich 2019), in fp32 or fp64."""
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -82,7 +82,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
+        xf = x if x.dtype == torch.float64 else x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return (xf * self.weight).to(x.dtype)
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gpt2kimi.backbone import RMSNorm  # the support module's norm; later chapters import it here
 from gpt2kimi.linear_attention import (
     check_operator_inputs,
     compute_dtype,
@@ -136,20 +137,6 @@ def delta_rule_chunk(
 def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
     """``x / sqrt(Σ x² + eps)`` over the last dim: unit keys keep ``1 − β‖k‖²`` in [0, 1)."""
     return x * torch.rsqrt(x.pow(2).sum(dim=-1, keepdim=True) + eps)
-
-
-class RMSNorm(nn.Module):
-    """``x / rms(x) · weight`` over the last dim [..., dim], computed in fp32 at least."""
-
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x.to(compute_dtype(x))
-        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (xf * self.weight).to(x.dtype)
 
 
 class ShortConvolution(nn.Module):
