@@ -153,3 +153,20 @@ def test_a_tiny_softmax_model_learns_a_tiny_mqar(one_thread):
     # chance is about 1/16 (a value picked at random); the model recalls most values
     assert result.accuracy > 0.5, result.accuracy
     assert result.history.train_loss[-1] < result.history.train_loss[0]
+
+
+def _double_and_count_threads(x: int) -> dict:
+    return {"x": 2 * x, "threads": torch.get_num_threads()}
+
+
+def test_map_jobs_keeps_order_and_runs_workers_on_one_thread():
+    from gpt2kimi.mqar import map_jobs
+
+    seen = []
+    threads = torch.get_num_threads()
+    one = map_jobs(_double_and_count_threads, [3, 1, 2], jobs=1, log=seen.append)
+    assert [r["x"] for r in one] == [6, 2, 4] and seen == one
+    assert all(r["threads"] == threads for r in one)  # in this process: its threads untouched
+    two = map_jobs(_double_and_count_threads, [3, 1, 2], jobs=2)
+    assert [r["x"] for r in two] == [6, 2, 4] and all(r["threads"] == 1 for r in two)
+    assert torch.get_num_threads() == threads

@@ -153,7 +153,7 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("module", ["backbone", "mqar"])
+@pytest.mark.parametrize("module", ["backbone", "mqar", "recall_tasks"])
 def test_support_modules_import_no_chapter_and_not_the_zoo(module):
     package = Path(gpt2kimi.__file__).parent
     chapters = {

@@ -25,8 +25,9 @@ Everything is vectorised over the batch: no Python loop over sequences or pairs.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +35,7 @@ from torch import Tensor, nn
 from gpt2kimi.train import History, TrainConfig, train
 
 IGNORE = -100
+J = TypeVar("J")  # one job of a sweep
 
 
 @dataclass(frozen=True)
@@ -237,6 +239,39 @@ def train_mqar(
     history = train(model, batches, training.train_config())
     accuracy = mqar_accuracy(model, cfg, n_sequences=training.eval_sequences)
     return MQARResult(accuracy, history, time.perf_counter() - start)
+
+
+def map_jobs(
+    run: Callable[[J], dict],
+    job_list: Sequence[J],
+    jobs: int = 1,
+    log: Callable[[dict], None] | None = None,
+) -> list[dict]:
+    """``[run(job) for job in job_list]``, in order; ``log`` sees each record as it finishes.
+
+    With ``jobs > 1``, runs that many worker processes at once, each on one thread so that
+    parallel runs do not fight over the cores (``run`` and the jobs must then be picklable).
+    The sweeps of MQAR and of the rewritten-facts task share it.
+    """
+    records: list[dict] = []
+    if jobs <= 1:
+        for job in job_list:
+            records.append(run(job))
+            if log is not None:
+                log(records[-1])
+        return records
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(
+        max_workers=jobs, mp_context=context, initializer=torch.set_num_threads, initargs=(1,)
+    ) as pool:
+        for record in pool.map(run, job_list):
+            records.append(record)
+            if log is not None:
+                log(record)
+    return records
 
 
 def config_dict(cfg: MQARConfig, training: MQARTraining) -> dict:

@@ -24,7 +24,7 @@ from gpt2kimi.deltanet import DeltaNet
 from gpt2kimi.gated_deltanet import GatedDeltaNet
 from gpt2kimi.kda import KimiDeltaAttention
 from gpt2kimi.linear_attention import LinearAttention
-from gpt2kimi.mqar import MQARConfig, MQARTraining, train_mqar
+from gpt2kimi.mqar import MQARConfig, MQARTraining, map_jobs, train_mqar
 
 MIXERS: dict[str, MixerFactory] = {
     # chapter 2: the exact memory, a KV cache that grows with every token
@@ -144,8 +144,7 @@ def run_mqar(
 
 
 def _run_mqar_job(job: tuple[str, int, int, dict]) -> dict:
-    """One sweep run in a worker process (one thread, so parallel runs do not fight)."""
-    torch.set_num_threads(1)
+    """One sweep run (a module-level function, so that worker processes can run it)."""
     mixer, num_pairs, seed, kwargs = job
     return run_mqar(mixer, num_pairs, seed=seed, **kwargs)
 
@@ -173,23 +172,7 @@ def mqar_sweep(
     grid = [(m, n, s) for m in mixers for n in pairs for s in seeds]
     job_list = [(m, n, s, {**kwargs, "training": replace(training, seed=s)}) for m, n, s in grid]
     start = time.perf_counter()
-    if jobs <= 1:
-        results = []
-        for job in job_list:
-            results.append(run_mqar(job[0], job[1], seed=job[2], **job[3]))
-            if log is not None:
-                log(results[-1])
-    else:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-            results = []
-            for record in pool.map(_run_mqar_job, job_list):
-                results.append(record)
-                if log is not None:
-                    log(record)
+    results = map_jobs(_run_mqar_job, job_list, jobs, log)
     settings = {
         "vocab_size": kwargs.get("vocab_size", MQAR_VOCAB),
         "seq_len": kwargs.get("seq_len", MQAR_SEQ_LEN),

@@ -1,0 +1,291 @@
+"""Rewritten facts: associative recall where a key's value changes over time (a support module).
+
+MQAR (:mod:`gpt2kimi.mqar`) writes every fact once. Here a stream of two-token events
+``key value`` keeps **rewriting** facts: a key that was already written comes back either as a
+*rewrite* (a new value: the old one is now stale) or as a *query* (its current value, and the
+model is scored on predicting that value at the key position). To answer, a memory must return
+the **latest** value of the key and ignore the stale ones. Example with two keys (letters for
+keys, digits for values, ``_`` an ignored target)::
+
+    x:  A 3 B 7 A 5 B 7 A 5 A 2 A 2
+    y:  _ _ _ _ _ _ 7 _ 5 _ _ _ 2 _
+
+(``A 5`` rewrites A; ``B 7`` and ``A 5`` are queries; ``A 2`` rewrites A again, then is queried.)
+A memory that sums what it sees (linear attention) answers a mixture of 3, 5 and 2 for A.
+
+Layout (the vocabulary split of MQAR): keys from ``[1, V/2)``, values from ``[V/2, V)``; the
+``num_keys`` keys of a sequence are distinct and each is written once, in random order, in the
+first ``num_keys`` events; every later event picks one of them uniformly and is a query with
+probability ``query_prob``, a rewrite (a value different from the current one) otherwise. An odd
+last position holds a random filler with an ignored target. Generation is vectorised over the
+batch; the only loop runs over the ``seq_len // 2`` events.
+
+:func:`rewrite_sweep` trains several models on the task, like :func:`gpt2kimi.zoo.mqar_sweep`
+does on MQAR; it takes model constructors (this support module imports no chapter).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gpt2kimi.mqar import IGNORE, MQARTraining, map_jobs
+from gpt2kimi.train import History, train
+
+
+@dataclass(frozen=True)
+class RewriteConfig:
+    """One rewritten-facts task: vocabulary, sequence length, keys per sequence, query rate."""
+
+    vocab_size: int = 128
+    seq_len: int = 64
+    num_keys: int = 4
+    query_prob: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 6:
+            raise ValueError(f"vocab_size must be at least 6, got {self.vocab_size}")
+        if self.num_keys < 1:
+            raise ValueError(f"num_keys must be at least 1, got {self.num_keys}")
+        if self.num_keys > self.vocab_size // 2 - 1:
+            raise ValueError(
+                f"vocab_size={self.vocab_size} holds only {self.vocab_size // 2 - 1} key tokens "
+                f"([1, {self.vocab_size // 2})), fewer than num_keys={self.num_keys}"
+            )
+        if self.num_events <= self.num_keys:
+            raise ValueError(
+                f"seq_len={self.seq_len} gives {self.num_events} events, no room after the "
+                f"{self.num_keys} first writes; use seq_len >= {2 * (self.num_keys + 1)}"
+            )
+        if not 0.0 < self.query_prob <= 1.0:
+            raise ValueError(f"query_prob must lie in (0, 1], got {self.query_prob}")
+
+    @property
+    def num_events(self) -> int:
+        """Two-token events ``key value`` in a sequence."""
+        return self.seq_len // 2
+
+
+def rewrite_batch(
+    cfg: RewriteConfig, batch_size: int, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor]:
+    """A batch of rewritten-facts sequences: inputs ``x`` and targets ``y``, [batch_size, seq_len].
+
+    ``y[b, t]`` is the current value of key ``x[b, t]`` where t is a query's key position, and
+    -100 elsewhere (first writes, rewrites, the values themselves).
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    B, N, E, V = batch_size, cfg.num_keys, cfg.num_events, cfg.vocab_size
+    half = V // 2
+    rows = torch.arange(B)
+    keys = torch.rand(B, half - 1, generator=generator).argsort(dim=-1)[:, :N] + 1  # distinct
+    current = torch.randint(half, V, (B, N), generator=generator)  # each key's current value
+    x = torch.randint(0, V, (B, cfg.seq_len), generator=generator)  # fillers (odd last token)
+    y = torch.full((B, cfg.seq_len), IGNORE, dtype=torch.long)
+    # the first N events write every key once, in random order
+    first = torch.rand(B, N, generator=generator).argsort(dim=-1)
+    x[:, 0 : 2 * N : 2] = keys.gather(1, first)
+    x[:, 1 : 2 * N : 2] = current.gather(1, first)
+    for e in range(N, E):
+        slot = torch.randint(0, N, (B,), generator=generator)
+        is_query = torch.rand(B, generator=generator) < cfg.query_prob
+        # a rewrite draws a value different from the current one: shift by 1 … V/2 − 1
+        shift = torch.randint(1, V - half, (B,), generator=generator)
+        old = current[rows, slot]
+        new = torch.where(is_query, old, half + (old - half + shift) % (V - half))
+        current[rows, slot] = new
+        x[:, 2 * e] = keys[rows, slot]
+        x[:, 2 * e + 1] = new
+        y[:, 2 * e] = torch.where(is_query, new, torch.full_like(new, IGNORE))
+    return x, y
+
+
+def rewrite_batches(
+    cfg: RewriteConfig, batch_size: int, seed: int = 0
+) -> Callable[[str], tuple[Tensor, Tensor]]:
+    """A batch source for :func:`gpt2kimi.train.train`: ``batches("train")``, ``batches("val")``,
+    each split from its own seeded generator (as :func:`gpt2kimi.mqar.mqar_batches`)."""
+    generators = {
+        "train": torch.Generator().manual_seed(2 * seed),
+        "val": torch.Generator().manual_seed(2 * seed + 1),
+    }
+
+    def batches(split: str) -> tuple[Tensor, Tensor]:
+        if split not in generators:
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        return rewrite_batch(cfg, batch_size, generators[split])
+
+    return batches
+
+
+def stale_values(x: Tensor, vocab_size: int) -> Tensor:
+    """Which value tokens are stale at each event: [B, E, vocab_size] boolean.
+
+    True for a value that an earlier event wrote for the same key and that the key no longer
+    holds (it differs from the value shown at this event). x [B, T] holds events ``key value``
+    at even and odd positions, as :func:`rewrite_batch` makes them.
+    """
+    E = x.shape[1] // 2
+    keys, values = x[:, 0 : 2 * E : 2], x[:, 1 : 2 * E : 2]  # [B, E]
+    earlier = torch.ones(E, E, dtype=torch.bool, device=x.device).tril(-1)  # e' < e
+    same_key_before = (keys[:, :, None] == keys[:, None, :]) & earlier  # [B, e, e']
+    shown = F.one_hot(values, vocab_size).to(torch.float32)  # [B, E, vocab]
+    written_before = (same_key_before.to(torch.float32) @ shown) > 0  # [B, e, vocab]
+    return written_before & ~shown.bool()
+
+
+@torch.no_grad()
+def rewrite_scores(
+    model: nn.Module,
+    cfg: RewriteConfig,
+    n_sequences: int = 512,
+    batch_size: int = 128,
+    seed: int = 1234,
+) -> dict:
+    """Score ``model`` (``model(x)`` → logits [B, T, vocab]) on fresh sequences.
+
+    Returns ``{"accuracy": fraction of queries answered with the current value, "stale":
+    fraction answered with a value the key held before (old facts that linger)}``; the test
+    sequences come from their own generator (``seed``), the same for every model.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    correct = stale = total = 0
+    remaining = n_sequences
+    while remaining > 0:
+        x, y = rewrite_batch(cfg, min(batch_size, remaining), generator)
+        remaining -= len(x)
+        pred = model(x.to(device)).argmax(dim=-1).cpu()
+        E = cfg.num_events
+        queried = y[:, 0 : 2 * E : 2] != IGNORE  # [B, E]
+        guess = pred[:, 0 : 2 * E : 2]  # the prediction at each event's key position
+        correct += int(((guess == y[:, 0 : 2 * E : 2]) & queried).sum())
+        old = stale_values(x, cfg.vocab_size).gather(2, guess[..., None])[..., 0]
+        stale += int((old & queried).sum())
+        total += int(queried.sum())
+    model.train(was_training)
+    return {"accuracy": correct / total, "stale": stale / total}
+
+
+@dataclass
+class RewriteResult:
+    accuracy: float
+    stale: float
+    history: History
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return {
+            "accuracy": self.accuracy,
+            "stale": self.stale,
+            "seconds": self.seconds,
+            "final_loss": self.history.train_loss[-1],
+        }
+
+
+def train_rewrite(
+    model: nn.Module, cfg: RewriteConfig, training: MQARTraining | None = None
+) -> RewriteResult:
+    """Train ``model`` (``model(x, y)`` → ``(logits, loss)``) on the task, then score it.
+
+    The same training settings as MQAR (:class:`gpt2kimi.mqar.MQARTraining`), so the two tasks
+    share one budget; the test set is fixed and shared by every model.
+    """
+    training = MQARTraining() if training is None else training
+    start = time.perf_counter()
+    batches = rewrite_batches(cfg, training.batch_size, seed=training.seed)
+    history = train(model, batches, training.train_config())
+    scores = rewrite_scores(model, cfg, n_sequences=training.eval_sequences)
+    return RewriteResult(scores["accuracy"], scores["stale"], history, time.perf_counter() - start)
+
+
+def rewrite_config_dict(cfg: RewriteConfig, training: MQARTraining) -> dict:
+    """The task and training settings as one flat dict (for results files)."""
+    return {**asdict(cfg), **{f"train_{k}": v for k, v in asdict(training).items()}}
+
+
+# ----------------------------------------------------------------------------------------------
+# a sweep over models, task sizes and seeds
+
+ModelFactory = Callable[[], nn.Module]
+
+
+def run_rewrite(
+    make_model: ModelFactory,
+    cfg: RewriteConfig,
+    training: MQARTraining | None = None,
+    seed: int = 0,
+) -> dict:
+    """Seed, build ``make_model()``, train it on ``cfg`` with ``training`` (its seed replaced by
+    ``seed``); return ``{"num_keys", "seed", "accuracy", "stale", "seconds", "final_loss"}``
+    with floats rounded to 4 digits (as :func:`gpt2kimi.zoo.run_mqar` records MQAR runs)."""
+    training = MQARTraining(seed=seed) if training is None else replace(training, seed=seed)
+    torch.manual_seed(seed)
+    result = train_rewrite(make_model(), cfg, training)
+    record = {"num_keys": cfg.num_keys, "seed": seed, **result.as_dict()}
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}
+
+
+def _run_rewrite_job(job: tuple[str, ModelFactory, RewriteConfig, MQARTraining, int]) -> dict:
+    """One sweep run (a module-level function, so that worker processes can run it)."""
+    name, make_model, cfg, training, seed = job
+    return {"mixer": name, **run_rewrite(make_model, cfg, training, seed)}
+
+
+def rewrite_sweep(
+    models: Mapping[str, ModelFactory],
+    num_keys: Iterable[int],
+    seeds: Iterable[int] = (0,),
+    *,
+    training: MQARTraining | None = None,
+    jobs: int = 1,
+    log: Callable[[dict], None] | None = None,
+    **task_kwargs,
+) -> dict:
+    """Train every named model × number of keys × seed on the rewritten-facts task.
+
+    ``models`` maps a name to a constructor taking no arguments (picklable, e.g. a
+    ``functools.partial`` of a module-level function, when ``jobs > 1``); ``task_kwargs``
+    (``vocab_size``, ``seq_len``, ``query_prob``) go to every :class:`RewriteConfig`;
+    ``jobs > 1`` runs that many single-threaded worker processes at once; ``log`` sees each
+    record. Returns ``{"settings": {...}, "results": [record, ...]}``, JSON-ready, the results
+    in model, keys, seed order, each record starting with ``"mixer"`` (the model's name).
+    """
+    names, num_keys, seeds = list(models), list(num_keys), list(seeds)
+    training = MQARTraining() if training is None else training
+    job_list = [
+        (name, models[name], RewriteConfig(num_keys=n, **task_kwargs), training, seed)
+        for name in names
+        for n in num_keys
+        for seed in seeds
+    ]
+    start = time.perf_counter()
+    results = map_jobs(_run_rewrite_job, job_list, jobs, log)
+    task = asdict(RewriteConfig(num_keys=min(num_keys), **task_kwargs))
+    task.pop("num_keys")
+    settings = {
+        **task,
+        **{f"train_{k}": v for k, v in asdict(training).items() if k != "seed"},
+        "mixers": names,
+        "num_keys": num_keys,
+        "seeds": seeds,
+        "jobs": jobs,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    return {"settings": settings, "results": results}
+
+
+def mean_over_seeds(results: Iterable[dict], mixer: str, num_keys: int, field: str = "accuracy"):
+    """Mean of ``field`` over the seeds of one (mixer, keys) cell of a sweep's results."""
+    values = [r[field] for r in results if r["mixer"] == mixer and r["num_keys"] == num_keys]
+    if not values:
+        raise KeyError(f"no results for mixer={mixer!r}, num_keys={num_keys}")
+    return sum(values) / len(values)
