@@ -18,15 +18,6 @@ from gpt2kimi.gpt2 import GPT2Config, gpt2_param_count
 from gpt2kimi.kv_cache import GPT2WithCache, KVCache
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a busy CPU threads slow them down a lot."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize(
     "key,expected",
     [

@@ -8,15 +8,6 @@ from gpt2kimi.kv_cache import LayerKVCache
 D, H = 32, 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a busy CPU threads slow them down a lot."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make(n_kv_heads=None, seed=0):
     torch.manual_seed(seed)
     return SoftmaxAttention(D, H, n_kv_heads).eval()

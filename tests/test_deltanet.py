@@ -1,12 +1,10 @@
-"""DeltaNet: the chunk form (WY + UT transform) is the delta rule; the layer decodes in pieces."""
+"""DeltaNet: the chunk form (WY + UT transform) is the delta rule (the layer: test_delta_layers)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from gpt2kimi.deltanet import (
-    DeltaNet,
-    DeltaNetState,
     ShortConvolution,
     delta_rule_chunk,
     delta_rule_recurrent,
@@ -17,15 +15,6 @@ from gpt2kimi.linear_attention import linear_attention_recurrent
 
 B, H, K, V = 2, 3, 8, 5  # K != V on purpose
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float64: dict(atol=1e-10, rtol=1e-10)}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one thread is faster, and immune to thread contention on a busy machine."""
-    n_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n_threads)
 
 
 def make_inputs(T: int, dtype: torch.dtype, seed: int = 0):
@@ -172,52 +161,3 @@ def test_short_convolution_kernel_one_has_empty_cache():
 def test_l2_normalize_gives_unit_vectors():
     x = l2_normalize(torch.randn(5, 7, dtype=torch.float64))
     torch.testing.assert_close(x.norm(dim=-1), torch.ones(5, dtype=torch.float64))
-
-
-# ---------------------------------------------------------------------------------------------
-# the layer
-
-
-def make_layer() -> DeltaNet:
-    torch.manual_seed(0)
-    return DeltaNet(32, 4, chunk_size=8).double()
-
-
-def test_layer_shape_and_causality():
-    layer = make_layer()
-    x = torch.randn(2, 23, 32, dtype=torch.float64)
-    y = layer(x)
-    assert y.shape == x.shape
-    t = 11
-    x2 = x.clone()
-    x2[:, t] += 1.0
-    y2 = layer(x2)
-    torch.testing.assert_close(y2[:, :t], y[:, :t])
-    assert not torch.allclose(y2[:, t], y[:, t])
-
-
-def test_layer_decoding_in_pieces_equals_one_call():
-    layer = make_layer()
-    x = torch.randn(2, 23, 32, dtype=torch.float64)
-    y_full = layer(x)
-    state, pieces = None, []
-    for start, stop in [(0, 2), (2, 3), (3, 4), (4, 13), (13, 23)]:
-        y, state = layer(x[:, start:stop], state, return_state=True)
-        pieces.append(y)
-    torch.testing.assert_close(torch.cat(pieces, dim=1), y_full)
-    assert isinstance(state, DeltaNetState)
-    assert state.memory.shape == (2, 4, 8, 8) and state.conv_q.shape == (2, 3, 32)
-
-
-def test_layer_gradients_flow():
-    layer = make_layer()
-    x = torch.randn(2, 9, 32, dtype=torch.float64, requires_grad=True)
-    layer(x).pow(2).mean().backward()
-    assert x.grad is not None and x.grad.abs().sum() > 0
-    for name, p in layer.named_parameters():
-        assert p.grad is not None and torch.isfinite(p.grad).all(), name
-
-
-def test_layer_rejects_indivisible_heads():
-    with pytest.raises(ValueError, match="divisible by n_head"):
-        DeltaNet(30, 4)

@@ -13,15 +13,6 @@ from gpt2kimi.kv_cache import (
 TINY = GPT2Config(vocab_size=97, block_size=32, n_layer=2, n_head=4, n_embd=32)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a busy CPU threads slow them down a lot."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_model(n_kv_heads=None, seed=0, cls=GPT2WithCache):
     torch.manual_seed(seed)
     kwargs = {} if cls is GPT2 else {"n_kv_heads": n_kv_heads}

@@ -17,15 +17,6 @@ B, H, K, V = 2, 3, 8, 5  # K != V on purpose
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float64: dict(atol=1e-10, rtol=1e-10)}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one thread is faster, and immune to thread contention on a busy machine."""
-    n_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n_threads)
-
-
 def make_inputs(T: int, dtype: torch.dtype, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, H, K, generator=gen, dtype=dtype)

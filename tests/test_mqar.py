@@ -132,16 +132,7 @@ def test_accuracy_of_a_perfect_memory_is_one_and_of_a_constant_is_low():
     assert total == 64 * 6 and correct / total < 0.1
 
 
-@pytest.fixture
-def one_thread():
-    """Small models train faster (and reproducibly) on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def test_a_tiny_softmax_model_learns_a_tiny_mqar(one_thread):
+def test_a_tiny_softmax_model_learns_a_tiny_mqar():
     torch.manual_seed(0)
     cfg = MQARConfig(vocab_size=32, seq_len=16, num_pairs=2)
     model = LanguageModel(

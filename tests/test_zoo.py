@@ -23,16 +23,6 @@ from gpt2kimi.zoo import (
     run_mqar,
 )
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster (and steadier on a busy machine) on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 TINY = BackboneConfig(vocab_size=40, d_model=32, n_layer=2, n_head=2)
 QUICK = MQARTraining(steps=2, batch_size=4, warmup_steps=1, eval_sequences=8)
 
