@@ -1,6 +1,8 @@
 """The three delta-rule layers (DeltaNet, Gated DeltaNet, KDA) share one contract: causal,
 shape-preserving, decodable in pieces with a ``DeltaNetState``, trainable end to end."""
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -8,7 +10,12 @@ from gpt2kimi.deltanet import DeltaNet, DeltaNetState
 from gpt2kimi.gated_deltanet import GatedDeltaNet
 from gpt2kimi.kda import KimiDeltaAttention
 
-LAYERS = [DeltaNet, GatedDeltaNet, KimiDeltaAttention]
+LAYERS = [
+    DeltaNet,
+    GatedDeltaNet,
+    partial(GatedDeltaNet, output_gate="sigmoid"),
+    KimiDeltaAttention,
+]
 D_MODEL, N_HEAD = 32, 4
 
 

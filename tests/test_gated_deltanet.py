@@ -153,3 +153,17 @@ def test_mamba2_gate_initialisation():
     assert abs(dt.log().mean().item() - math.log(1e-2)) < 0.2  # log-uniform: centred at 1e-2
     g = log_decay(torch.randn(5, 1000), init_A_log(1000), init_dt_bias(1000))
     assert (g <= 0).all()
+
+
+def test_output_gate_choices():
+    from gpt2kimi.gated_deltanet import GatedDeltaNet, GatedRMSNorm
+
+    x, gate = torch.randn(3, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
+    swish, sigmoid = GatedRMSNorm(8).double(), GatedRMSNorm(8, "sigmoid").double()
+    torch.testing.assert_close(
+        sigmoid(x, gate) * F.silu(gate), swish(x, gate) * torch.sigmoid(gate)
+    )
+    assert GatedDeltaNet(16, 2).o_norm.activation is F.silu
+    assert GatedDeltaNet(16, 2, output_gate="sigmoid").o_norm.activation is torch.sigmoid
+    with pytest.raises(ValueError, match="unknown output gate 'relu'"):
+        GatedDeltaNet(16, 2, output_gate="relu")

@@ -186,11 +186,27 @@ def log_decay(a: Tensor, A_log: Tensor, dt_bias: Tensor) -> Tensor:
     return -A_log.exp() * F.softplus(a + dt_bias)
 
 
+OUTPUT_GATES = {"swish": F.silu, "sigmoid": torch.sigmoid}
+
+
 class GatedRMSNorm(RMSNorm):
-    """``RMSNorm(x) · swish(gate)`` over the last dim: the output gate of Gated DeltaNet."""
+    """``RMSNorm(x) · act(gate)`` over the last dim: the output gate of Gated DeltaNet.
+
+    ``act`` is swish, as in the paper and fla, or sigmoid (KDA's choice): swish(z) ≈ z/2 near 0,
+    so with small initial weights the swish gate starts near 0 and throttles the layer's output,
+    where a sigmoid gate starts at 1/2.
+    """
+
+    def __init__(self, dim: int, activation: str = "swish") -> None:
+        super().__init__(dim)
+        if activation not in OUTPUT_GATES:
+            raise ValueError(
+                f"unknown output gate {activation!r}; expected one of {sorted(OUTPUT_GATES)}"
+            )
+        self.activation = OUTPUT_GATES[activation]
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
-        return super().forward(x) * F.silu(gate)
+        return super().forward(x) * self.activation(gate)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -202,7 +218,8 @@ class GatedDeltaNet(DeltaNet):
 
     q, k, v = SiLU(ShortConv(Linear x)) (q, k L2-normalised) and β = sigmoid(Linear x), as in
     ``DeltaNet``; g = −exp(A_log) · softplus(a_proj(x) + dt_bias) per head (A ~ U(0, 16),
-    dt ~ logU(1e-3, 0.1)); y = Linear(RMSNorm(o) · swish(g_proj x)).
+    dt ~ logU(1e-3, 0.1)); y = Linear(RMSNorm(o) · swish(g_proj x)). ``output_gate="sigmoid"``
+    uses sigmoid instead of swish in the output gate (chapter 5 compares the two).
 
     Stepwise decoding: ``forward(x, state, return_state=True)`` returns ``(y, state)`` with
     ``state`` a ``DeltaNetState`` (memory [B, H, K, V] and the three convolution caches);
@@ -210,7 +227,13 @@ class GatedDeltaNet(DeltaNet):
     """
 
     def __init__(
-        self, d_model: int, n_head: int, *, conv_size: int = 4, chunk_size: int = 64
+        self,
+        d_model: int,
+        n_head: int,
+        *,
+        conv_size: int = 4,
+        chunk_size: int = 64,
+        output_gate: str = "swish",
     ) -> None:
         super().__init__(d_model, n_head, conv_size=conv_size, chunk_size=chunk_size)
         # the forgetting gate: one log-decay per head and token
@@ -219,7 +242,7 @@ class GatedDeltaNet(DeltaNet):
         self.dt_bias = nn.Parameter(init_dt_bias(n_head))
         # the output gate: RMSNorm(o) · swish(g_proj x)
         self.g_proj = nn.Linear(d_model, d_model, bias=False)
-        self.o_norm = GatedRMSNorm(self.head_dim)
+        self.o_norm = GatedRMSNorm(self.head_dim, output_gate)
 
     def forward(
         self, x: Tensor, state: DeltaNetState | None = None, return_state: bool = False

@@ -27,7 +27,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -35,7 +34,6 @@ from torch import Tensor, nn
 from gpt2kimi.train import History, TrainConfig, train
 
 IGNORE = -100
-J = TypeVar("J")  # one job of a sweep
 
 
 @dataclass(frozen=True)
@@ -242,8 +240,8 @@ def train_mqar(
 
 
 def map_jobs(
-    run: Callable[[J], dict],
-    job_list: Sequence[J],
+    run: Callable[..., dict],
+    job_list: Sequence,
     jobs: int = 1,
     log: Callable[[dict], None] | None = None,
 ) -> list[dict]:

@@ -22,6 +22,7 @@ COLORS = {
     "linear": "#d62728",
     "deltanet": "#2ca02c",
     "gated_deltanet": "#9467bd",
+    "gated_deltanet_sigmoid": "#c5b0d5",
     "kda": "#ff7f0e",
     "mla": "#8c564b",
     "moe": "#e377c2",

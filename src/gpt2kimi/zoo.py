@@ -37,6 +37,8 @@ MIXERS: dict[str, MixerFactory] = {
     "deltanet": DeltaNet,
     # chapter 5: forgetting, one gate per head
     "gated_deltanet": GatedDeltaNet,
+    # chapter 5: the same with a sigmoid output gate instead of swish (a small-budget ablation)
+    "gated_deltanet_sigmoid": partial(GatedDeltaNet, output_gate="sigmoid"),
     # chapter 5: forgetting, one gate per key channel (Kimi Delta Attention)
     "kda": KimiDeltaAttention,
 }

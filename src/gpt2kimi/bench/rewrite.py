@@ -21,7 +21,7 @@ from gpt2kimi.recall_tasks import mean_over_seeds, rewrite_sweep
 from gpt2kimi.zoo import MIXERS, MQAR_SEQ_LEN, MQAR_VOCAB, build_model, mqar_model_config
 
 DEFAULT_OUT = "book/data/rewrite_gating.json"
-COMPARED = ["softmax", "linear", "deltanet", "gated_deltanet", "kda"]
+COMPARED = ["softmax", "linear", "deltanet", "gated_deltanet", "gated_deltanet_sigmoid", "kda"]
 LIVE = ["linear", "gated_deltanet", "kda"]
 
 
