@@ -40,11 +40,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def format_table(sweep: dict) -> str:
     """Mean accuracy over seeds: one row per mixer, one column per number of pairs."""
     settings, results = sweep["settings"], sweep["results"]
-    header = f"{'mixer':<16}" + "".join(f"{f'N={n}':>8}" for n in settings["pairs"])
+    width = max(16, *(len(m) + 2 for m in settings["mixers"]))
+    header = f"{'mixer':<{width}}" + "".join(f"{f'N={n}':>8}" for n in settings["pairs"])
     rows = [header]
     for mixer in settings["mixers"]:
         cells = "".join(f"{mean_accuracy(results, mixer, n):>8.3f}" for n in settings["pairs"])
-        rows.append(f"{mixer:<16}{cells}")
+        rows.append(f"{mixer:<{width}}{cells}")
     return "\n".join(rows)
 
 

@@ -51,8 +51,9 @@ def format_table(sweep: dict) -> str:
     """Mean accuracy and stale-answer rate over seeds: one row per mixer, columns per key count."""
     settings, results = sweep["settings"], sweep["results"]
     keys = settings["num_keys"]
+    width = max(16, *(len(m) + 2 for m in settings["mixers"]))
     header = (
-        f"{'mixer':<16}"
+        f"{'mixer':<{width}}"
         + "".join(f"{f'keys={n}':>9}" for n in keys)
         + "   stale:"
         + "".join(f"{f'keys={n}':>9}" for n in keys)
@@ -61,7 +62,7 @@ def format_table(sweep: dict) -> str:
     for mixer in settings["mixers"]:
         accuracy = "".join(f"{mean_over_seeds(results, mixer, n):>9.3f}" for n in keys)
         stale = "".join(f"{mean_over_seeds(results, mixer, n, 'stale'):>9.3f}" for n in keys)
-        rows.append(f"{mixer:<16}{accuracy}{' ' * 9}{stale}")
+        rows.append(f"{mixer:<{width}}{accuracy}{' ' * 9}{stale}")
     return "\n".join(rows)
 
 
