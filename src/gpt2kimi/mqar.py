@@ -134,6 +134,14 @@ def mqar_batches(
     Each split draws from its own seeded generator, so a run is reproducible and the two splits
     are different streams of sequences.
     """
+    return seeded_splits(lambda generator: mqar_batch(cfg, batch_size, generator), seed)
+
+
+def seeded_splits(
+    draw: Callable[[torch.Generator], tuple[Tensor, Tensor]], seed: int = 0
+) -> Callable[[str], tuple[Tensor, Tensor]]:
+    """``batches(split)`` that calls ``draw(generator)`` with the split's own generator, seeded
+    ``2 * seed`` for "train" and ``2 * seed + 1`` for "val" (any other split: ValueError)."""
     generators = {
         "train": torch.Generator().manual_seed(2 * seed),
         "val": torch.Generator().manual_seed(2 * seed + 1),
@@ -142,7 +150,7 @@ def mqar_batches(
     def batches(split: str) -> tuple[Tensor, Tensor]:
         if split not in generators:
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-        return mqar_batch(cfg, batch_size, generators[split])
+        return draw(generators[split])
 
     return batches
 

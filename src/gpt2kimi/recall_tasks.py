@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpt2kimi.mqar import IGNORE, MQARTraining, map_jobs
-from gpt2kimi.train import History, train
+from gpt2kimi.mqar import IGNORE, MQARResult, MQARTraining, map_jobs, seeded_splits
+from gpt2kimi.train import train
 
 
 @dataclass(frozen=True)
@@ -111,17 +111,7 @@ def rewrite_batches(
 ) -> Callable[[str], tuple[Tensor, Tensor]]:
     """A batch source for :func:`gpt2kimi.train.train`: ``batches("train")``, ``batches("val")``,
     each split from its own seeded generator (as :func:`gpt2kimi.mqar.mqar_batches`)."""
-    generators = {
-        "train": torch.Generator().manual_seed(2 * seed),
-        "val": torch.Generator().manual_seed(2 * seed + 1),
-    }
-
-    def batches(split: str) -> tuple[Tensor, Tensor]:
-        if split not in generators:
-            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-        return rewrite_batch(cfg, batch_size, generators[split])
-
-    return batches
+    return seeded_splits(lambda generator: rewrite_batch(cfg, batch_size, generator), seed)
 
 
 def stale_values(x: Tensor, vocab_size: int) -> Tensor:
@@ -176,19 +166,13 @@ def rewrite_scores(
 
 
 @dataclass
-class RewriteResult:
-    accuracy: float
-    stale: float
-    history: History
-    seconds: float
+class RewriteResult(MQARResult):
+    """MQAR's result plus ``stale``: the fraction of queries answered with an old value."""
+
+    stale: float = 0.0
 
     def as_dict(self) -> dict:
-        return {
-            "accuracy": self.accuracy,
-            "stale": self.stale,
-            "seconds": self.seconds,
-            "final_loss": self.history.train_loss[-1],
-        }
+        return {**super().as_dict(), "stale": self.stale}
 
 
 def train_rewrite(
@@ -204,7 +188,8 @@ def train_rewrite(
     batches = rewrite_batches(cfg, training.batch_size, seed=training.seed)
     history = train(model, batches, training.train_config())
     scores = rewrite_scores(model, cfg, n_sequences=training.eval_sequences)
-    return RewriteResult(scores["accuracy"], scores["stale"], history, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return RewriteResult(scores["accuracy"], history, seconds, stale=scores["stale"])
 
 
 def rewrite_config_dict(cfg: RewriteConfig, training: MQARTraining) -> dict:
