@@ -1,10 +1,12 @@
 """Gated DeltaNet: chunk == recurrent (also under harsh decays), g = 0 is DeltaNet, the gate."""
 
 import math
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
+from operator_inputs import TOL, B, H, K, V, random_inputs
 
 from gpt2kimi.deltanet import delta_rule_chunk, delta_rule_recurrent
 from gpt2kimi.gated_deltanet import (
@@ -16,19 +18,7 @@ from gpt2kimi.gated_deltanet import (
     pairwise_decay,
 )
 
-B, H, K, V = 2, 3, 8, 5  # K != V on purpose
-TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float64: dict(atol=1e-10, rtol=1e-10)}
-
-
-def make_inputs(T: int, dtype: torch.dtype, seed: int = 0, log_decay_scale: float = 1.0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, T, H, K, generator=gen, dtype=dtype)
-    k = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=dtype), dim=-1)
-    v = torch.randn(B, T, H, V, generator=gen, dtype=dtype)
-    beta = torch.rand(B, T, H, generator=gen, dtype=dtype)
-    g = F.logsigmoid(torch.randn(B, T, H, generator=gen, dtype=dtype)) * log_decay_scale
-    S0 = torch.randn(B, H, K, V, generator=gen, dtype=dtype)
-    return q, k, v, beta, g, S0
+make_inputs = partial(random_inputs, beta=True, gate="head")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from operator_inputs import TOL, B, H, K, V, random_inputs
 
 from gpt2kimi.linear_attention import (
     LinearAttention,
@@ -13,17 +14,7 @@ from gpt2kimi.linear_attention import (
     split_chunks,
 )
 
-B, H, K, V = 2, 3, 8, 5  # K != V on purpose
-TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float64: dict(atol=1e-10, rtol=1e-10)}
-
-
-def make_inputs(T: int, dtype: torch.dtype, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, T, H, K, generator=gen, dtype=dtype)
-    k = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=dtype), dim=-1)
-    v = torch.randn(B, T, H, V, generator=gen, dtype=dtype)
-    S0 = torch.randn(B, H, K, V, generator=gen, dtype=dtype)
-    return q, k, v, S0
+make_inputs = random_inputs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
