@@ -1,4 +1,4 @@
-"""Gated DeltaNet: chunk == recurrent (also under harsh decays), g = 0 is DeltaNet, the gate."""
+"""Gated DeltaNet: harsh decays, g = 0 is DeltaNet, the gate (see also test_delta_operators)."""
 
 import math
 from functools import partial
@@ -19,31 +19,6 @@ from gpt2kimi.gated_deltanet import (
 )
 
 make_inputs = partial(random_inputs, beta=True, gate="head")
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("T, chunk_size", [(37, 16), (5, 16), (32, 16), (9, 1)])
-@pytest.mark.parametrize("with_state", [False, True])
-def test_chunk_matches_recurrent(dtype, T, chunk_size, with_state):
-    q, k, v, beta, g, S0 = make_inputs(T, dtype)
-    S0 = S0 if with_state else None
-    o_ref, S_ref = gated_delta_rule_recurrent(q, k, v, beta, g, initial_state=S0)
-    o, S = gated_delta_rule_chunk(q, k, v, beta, g, initial_state=S0, chunk_size=chunk_size)
-    assert o.shape == (B, T, H, V) and o.dtype == dtype and S.shape == (B, H, K, V)
-    torch.testing.assert_close(o, o_ref, **TOL[dtype])
-    torch.testing.assert_close(S, S_ref, **TOL[dtype])
-
-
-@pytest.mark.parametrize("op", [gated_delta_rule_recurrent, gated_delta_rule_chunk])
-def test_state_carries_the_sequence(op):
-    q, k, v, beta, g, S0 = make_inputs(37, torch.float64)
-    o_full, S_full = op(q, k, v, beta, g, initial_state=S0)
-    first, second = slice(0, 20), slice(20, 37)
-    o1, S1 = op(*(x[:, first] for x in (q, k, v, beta, g)), initial_state=S0)
-    o2, S2 = op(*(x[:, second] for x in (q, k, v, beta, g)), initial_state=S1)
-    torch.testing.assert_close(torch.cat([o1, o2], dim=1), o_full)
-    torch.testing.assert_close(S2, S_full)
-    assert S1.shape == S2.shape == (B, H, K, V)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
