@@ -1,20 +1,58 @@
+import functools
+from pathlib import Path
+
 import matplotlib
 
 matplotlib.use("Agg")
 
-from gpt2kimi.gpt2 import Block, gpt2_param_count  # noqa: E402
+import torch  # noqa: E402
+
+from gpt2kimi.gpt2 import GPT2, Block, gpt2_param_count  # noqa: E402
 from gpt2kimi.plotting import COLORS, new_axes, plot_history, use_style  # noqa: E402
 from gpt2kimi.show import source_of  # noqa: E402
 from gpt2kimi.train import History  # noqa: E402
+
+
+def line_range(where: str) -> tuple[int, int]:
+    first, last = map(int, where.split("lines ")[1].split("-"))
+    return first, last
 
 
 def test_source_of_points_at_the_library():
     source, where = source_of(gpt2_param_count)
     assert source.startswith("def gpt2_param_count")
     assert where.startswith("gpt2kimi/gpt2.py, lines ")
-    first, last = map(int, where.split("lines ")[1].split("-"))
+    first, last = line_range(where)
     assert last - first + 1 == len(source.splitlines())
     assert source_of(Block)[0].startswith("class Block")
+
+
+def test_source_of_unwraps_decorated_functions():
+    # torch.no_grad() wraps the method in a function defined in torch/utils/_contextlib.py;
+    # the caption must still name the library file, with the decorator in the shown source.
+    source, where = source_of(GPT2.generate)
+    assert where.startswith("gpt2kimi/gpt2.py, lines "), where
+    assert source.lstrip().startswith("@torch.no_grad()")
+    assert "def generate(" in source
+    first, last = line_range(where)
+    assert last - first + 1 == len(source.splitlines())
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    @wrap
+    @torch.no_grad()
+    def twice_decorated(x):
+        return x
+
+    source, where = source_of(twice_decorated)
+    here = Path(__file__)
+    assert where.startswith(f"{here.parent.name}/{here.name}, lines "), where
+    assert "def twice_decorated(x):" in source and "def wrapper" not in source
 
 
 def test_plotting_style_and_history():

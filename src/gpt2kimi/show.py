@@ -11,7 +11,10 @@ def source_of(obj: Any) -> tuple[str, str]:
     """The source text of a function, class, method or module, and where it lives.
 
     Returns ``(source, location)`` where ``location`` reads like ``gpt2kimi/gpt2.py, lines 10-42``.
+    A decorated function (``@torch.no_grad()``, ``functools.wraps``) is unwrapped first, so the
+    location names the file that defines it, not the decorator's.
     """
+    obj = inspect.unwrap(obj)
     lines, first = inspect.getsourcelines(obj)
     path = Path(inspect.getsourcefile(obj) or "?")
     package_root = next((p for p in path.parents if p.name == "gpt2kimi"), path.parent)
