@@ -1,16 +1,25 @@
-# Two commands for a newcomer:
-#   make book   build the book into _build/html (executes notebooks whose code changed)
+# Three commands for a newcomer:
+#   make book   build the book into _build/html from the notebooks' committed outputs (seconds)
+#   make lab    open the notebooks in JupyterLab to run and change them
 #   make test   unit tests, every notebook re-executed against its saved outputs (nbval),
 #               the book built with warnings as errors, and the rendered pages checked in Chromium
+# make book-exec builds the book re-executing every notebook whose code changed (minutes).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # The CPU build of PyTorch. Override for another build, e.g. make TORCH="torch==2.13.0 --index-url ..."
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+LAB_STAMP := $(VENV)/.lab-installed
 BOOK_FLAGS := -W -n --keep-going
+# The book's configuration with notebook execution off: pages render the committed outputs.
+NOEXEC_CONFIG := .config-noexec.yml
+# Notebooks checked side by side by nbval (two on two cores; NBVAL_JOBS=1 checks one at a time).
+NBVAL_JOBS ?= 2
+# Extra options for JupyterLab, e.g. make lab LAB_FLAGS="--no-browser --port 8890"
+LAB_FLAGS ?=
 
-.PHONY: book test unit notebooks book-check browser lint figures clean
+.PHONY: book book-exec lab test unit notebooks book-check browser lint figures clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,9 +28,27 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	touch $(STAMP)
 
-book: $(STAMP)
+$(NOEXEC_CONFIG): _config.yml
+	sed 's/execute_notebooks: cache/execute_notebooks: "off"/' _config.yml > $@
+
+# The book from the committed outputs, which `make test` has checked: nothing is executed.
+book: $(STAMP) $(NOEXEC_CONFIG)
+	$(BIN)/jupyter-book build . $(BOOK_FLAGS) --config $(NOEXEC_CONFIG)
+	@echo "open _build/html/index.html"
+
+# The book re-executing every notebook whose code changed since the last build (jupyter-cache).
+book-exec: $(STAMP)
 	$(BIN)/jupyter-book build . $(BOOK_FLAGS)
 	@echo "open _build/html/index.html"
+
+# JupyterLab in the same environment, as the optional extra `lab` (so `make test` stays lean).
+$(LAB_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[lab]"
+	touch $(LAB_STAMP)
+
+# As root (containers), Jupyter refuses to start unless told it is allowed.
+lab: $(LAB_STAMP)
+	GPT2KIMI_PROGRESS=1 $(BIN)/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_FLAGS)
 
 test: unit notebooks book-check browser
 
@@ -29,14 +56,16 @@ unit: $(STAMP)
 	$(BIN)/ruff check src tests book
 	$(BIN)/python -m pytest tests --ignore=tests/browser
 
+# One pytest per notebook, NBVAL_JOBS at a time, the longest first; fails if any notebook fails.
+# GPT2KIMI_PROGRESS=0 keeps progress bars out of the outputs nbval compares.
 notebooks: $(STAMP)
-	$(BIN)/python -m pytest --nbval notebooks -p no:cacheprovider
+	ls -S notebooks/*.ipynb | GPT2KIMI_PROGRESS=0 xargs -P $(NBVAL_JOBS) -I{} \
+	  $(BIN)/python -m pytest --nbval {} -p no:cacheprovider
 
 # nbval has just re-executed every notebook against its committed outputs, so the test build
 # renders those outputs instead of executing everything a second time.
-book-check: $(STAMP)
-	sed 's/execute_notebooks: cache/execute_notebooks: "off"/' _config.yml > .config-noexec.yml
-	$(BIN)/jupyter-book build . $(BOOK_FLAGS) --config .config-noexec.yml
+book-check: $(STAMP) $(NOEXEC_CONFIG)
+	$(BIN)/jupyter-book build . $(BOOK_FLAGS) --config $(NOEXEC_CONFIG)
 
 browser: $(STAMP)
 	$(BIN)/python -m pytest tests/browser -p no:cacheprovider
@@ -45,4 +74,4 @@ figures: $(STAMP)
 	$(BIN)/python book/figures/make_intro_figure.py
 
 clean:
-	rm -rf _build .config-noexec.yml
+	rm -rf _build $(NOEXEC_CONFIG)

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
+from gpt2kimi.progress import progress, silence_progress_in_this_process
 from gpt2kimi.train import History, TrainConfig, train
 
 IGNORE = -100
@@ -260,24 +261,35 @@ def map_jobs(
     The sweeps of MQAR and of the rewritten-facts task share it.
     """
     records: list[dict] = []
+    bar = progress(total=len(job_list), desc="runs", unit="run")
     if jobs <= 1:
         for job in job_list:
             records.append(run(job))
+            bar.update()
             if log is not None:
                 log(records[-1])
+        bar.close()
         return records
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(
-        max_workers=jobs, mp_context=context, initializer=torch.set_num_threads, initargs=(1,)
+        max_workers=jobs, mp_context=context, initializer=_one_quiet_thread
     ) as pool:
         for record in pool.map(run, job_list):
             records.append(record)
+            bar.update()
             if log is not None:
                 log(record)
+    bar.close()
     return records
+
+
+def _one_quiet_thread() -> None:
+    """A sweep worker: one thread (parallel runs must not fight over cores), no progress bars."""
+    torch.set_num_threads(1)
+    silence_progress_in_this_process()
 
 
 def config_dict(cfg: MQARConfig, training: MQARTraining) -> dict:

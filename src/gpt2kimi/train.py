@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from gpt2kimi.progress import progress, say
+
 Batches = Callable[[str], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -105,6 +107,7 @@ def train(model: nn.Module, batches: Batches, cfg: TrainConfig) -> History:
     history = History()
     model.train()
     start = time.perf_counter()
+    bar = progress(total=cfg.steps, desc="training", unit="step", leave=False)
     for step in range(cfg.steps):
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
@@ -119,6 +122,8 @@ def train(model: nn.Module, batches: Batches, cfg: TrainConfig) -> History:
         history.steps.append(step)
         history.train_loss.append(loss.item())
         history.lr.append(lr)
+        bar.set_postfix(loss=f"{history.train_loss[-1]:.3f}", refresh=False)
+        bar.update()
 
         last = step == cfg.steps - 1
         if (step + 1) % cfg.eval_interval == 0 or last:
@@ -128,7 +133,8 @@ def train(model: nn.Module, batches: Batches, cfg: TrainConfig) -> History:
             evaluated = history.val_steps[-1:] == [step + 1]
             val = f" | val {history.val_loss[-1]:.3f}" if evaluated else ""
             elapsed = time.perf_counter() - start
-            print(f"step {step + 1:>5}/{cfg.steps} | train {loss.item():.3f}{val} | {elapsed:.0f}s")
+            say(f"step {step + 1:>5}/{cfg.steps} | train {loss.item():.3f}{val} | {elapsed:.0f}s")
+    bar.close()
     history.seconds = time.perf_counter() - start
     model.eval()
     return history

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from gpt2kimi.mqar import MQARTraining
+from gpt2kimi.progress import say
 from gpt2kimi.zoo import MIXERS, MQAR_SEQ_LEN, MQAR_VOCAB, mean_accuracy, mqar_sweep
 
 DEFAULT_OUT = "book/data/mqar_linear_attention.json"
@@ -60,10 +61,9 @@ def main(argv: list[str]) -> None:
         jobs=args.jobs,
         vocab_size=args.vocab_size,
         seq_len=args.seq_len,
-        log=lambda r: print(
+        log=lambda r: say(
             f"{r['mixer']:<16} N={r['num_pairs']:<3} seed {r['seed']}: "
-            f"accuracy {r['accuracy']:.3f} ({r['seconds']:.0f} s)",
-            flush=True,
+            f"accuracy {r['accuracy']:.3f} ({r['seconds']:.0f} s)"
         ),
     )
     print(format_table(sweep))

@@ -17,6 +17,7 @@ from functools import partial
 from pathlib import Path
 
 from gpt2kimi.mqar import MQARTraining
+from gpt2kimi.progress import say
 from gpt2kimi.recall_tasks import mean_over_seeds, rewrite_sweep
 from gpt2kimi.zoo import MIXERS, MQAR_SEQ_LEN, MQAR_VOCAB, build_model, mqar_model_config
 
@@ -71,10 +72,9 @@ def main(argv: list[str]) -> None:
     task = dict(vocab_size=args.vocab_size, seq_len=args.seq_len)
 
     def log(r: dict) -> None:
-        print(
+        say(
             f"{r['mixer']:<16} keys={r['num_keys']:<3} seed {r['seed']}: accuracy "
-            f"{r['accuracy']:.3f}, stale {r['stale']:.3f} ({r['seconds']:.0f} s)",
-            flush=True,
+            f"{r['accuracy']:.3f}, stale {r['stale']:.3f} ({r['seconds']:.0f} s)"
         )
 
     full = rewrite_sweep(
