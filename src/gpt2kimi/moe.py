@@ -1,0 +1,380 @@
+"""Mixture of Experts: many feed-forward networks, a router that picks a few for each token.
+
+A dense feed-forward network applies all its parameters to every token. A Mixture of Experts
+(MoE) layer holds E feed-forward networks, the *experts*, and a *router* that sends each token to
+only k of them: the layer's parameters grow with E, its compute per token only with k. This is
+how DeepSeek-V3, Kimi K2, Kimi Linear and Kimi K3 hold hundreds of billions of parameters and use
+a few percent of them per token.
+
+The module follows the MoE of ``transformers``' Kimi Linear and DeepSeek-V3 (names and shapes,
+so ``MoE.load_state_dict(hf_moe.state_dict())`` works as is):
+
+- ``gate.weight [E, d]`` and the buffer ``gate.e_score_correction_bias [E]``: the router;
+- ``experts.gate_up_proj [E, 2I, d]`` (each expert's gate rows, then its up rows) and
+  ``experts.down_proj [E, d, I]``: E SwiGLU experts of width I, stored as stacked tensors;
+- ``shared_experts.{gate_proj, up_proj, down_proj}``: one SwiGLU of width ``I · n_shared`` that
+  every token passes through.
+
+The pieces the chapter shows are plain functions: :func:`route` (scores, top-k choice, weights),
+:func:`dispatch` (sort token copies by expert, one matrix product per expert hit, scatter back),
+:func:`moe_reference` (the same layer as a loop over tokens, the definition the tests compare
+with), and the two ways to balance the experts' load: :func:`load_balancing_loss` (Switch
+Transformer's auxiliary loss) and :meth:`MoE.update_bias` (DeepSeek-V3's auxiliary-loss-free
+bias). :class:`AuxLossWrapper` connects both to :func:`gpt2kimi.train.train` without changing it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gpt2kimi.backbone import SwiGLU
+
+ROUTERS = ("sigmoid", "softmax")
+
+
+@dataclass
+class MoEConfig:
+    """Shape and routing of one MoE layer (names as in DeepSeek-V3's and Kimi's configs).
+
+    ``router="sigmoid"``: DeepSeek-V3 / Kimi scores, an independent sigmoid per expert, chosen by
+    score + bias. ``router="softmax"``: Mixtral's, a softmax over the experts. With
+    ``norm_topk_prob`` the k chosen weights are divided by their sum; then multiplied by
+    ``routed_scaling_factor``. ``n_group > 1`` is DeepSeek-V3's group-limited routing: the
+    experts form ``n_group`` equal groups and a token may only choose experts in its
+    ``topk_group`` best groups.
+    """
+
+    d_model: int
+    n_experts: int
+    top_k: int
+    expert_hidden: int
+    n_shared_experts: int = 0
+    router: str = "sigmoid"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "n_experts", "top_k", "expert_hidden", "n_group", "topk_group"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.n_shared_experts < 0:
+            raise ValueError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
+        if self.top_k > self.n_experts:
+            raise ValueError(
+                f"top_k={self.top_k} is larger than n_experts={self.n_experts}: "
+                "a token cannot choose more experts than there are"
+            )
+        if self.n_experts % self.n_group != 0:
+            raise ValueError(
+                f"n_experts={self.n_experts} is not divisible by n_group={self.n_group}: "
+                "group-limited routing needs groups of equal size"
+            )
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group={self.topk_group} is larger than n_group={self.n_group}")
+        per_group = self.n_experts // self.n_group
+        if self.n_group > 1 and per_group < 2:
+            raise ValueError(
+                f"n_group={self.n_group} leaves {per_group} expert per group; a group is scored "
+                "by its two best experts, so each group needs at least 2"
+            )
+        if self.top_k > self.topk_group * per_group:
+            raise ValueError(
+                f"top_k={self.top_k} is larger than the {self.topk_group * per_group} experts in "
+                f"the topk_group={self.topk_group} groups a token may use"
+            )
+
+    @property
+    def active_hidden(self) -> int:
+        """Hidden width a token passes through: k routed experts plus the shared ones."""
+        return (self.top_k + self.n_shared_experts) * self.expert_hidden
+
+    @classmethod
+    def from_hf(cls, config) -> MoEConfig:
+        """The MoE of a ``transformers`` ``KimiLinearConfig`` or ``DeepseekV3Config``."""
+        return cls(
+            d_model=config.hidden_size,
+            n_experts=config.num_local_experts,
+            top_k=config.num_experts_per_tok,
+            expert_hidden=config.moe_intermediate_size,
+            n_shared_experts=config.n_shared_experts,
+            router="sigmoid",
+            n_group=config.n_group,
+            topk_group=config.topk_group,
+            routed_scaling_factor=config.routed_scaling_factor,
+            norm_topk_prob=config.norm_topk_prob,
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# routing
+
+
+@dataclass
+class Routing:
+    """What the router decided for N tokens (everything the chapter plots).
+
+    ``experts [N, k]`` the chosen experts, ``weights [N, k]`` their weights (fp32),
+    ``scores [N, E]`` the router's scores (sigmoid or softmax, fp32, before any bias),
+    ``tokens_per_expert [E]`` how many tokens each expert received.
+    """
+
+    experts: Tensor
+    weights: Tensor
+    scores: Tensor
+    tokens_per_expert: Tensor
+
+
+def route(x: Tensor, weight: Tensor, bias: Tensor | None, config: MoEConfig) -> Routing:
+    """Score every expert for every token, choose k, and weight the chosen ones.
+
+    x [N, d], weight [E, d], bias [E] or None. The bias only *selects* (``scores + bias`` picks
+    the experts); the weights come from the unbiased scores. Computed in fp32, as the reference.
+    """
+    scores = F.linear(x.float(), weight.float())
+    scores = scores.sigmoid() if config.router == "sigmoid" else scores.softmax(dim=-1)
+    choice = scores if bias is None else scores + bias
+    if config.n_group > 1:
+        choice = limit_to_best_groups(choice, config.n_group, config.topk_group)
+    experts = choice.topk(config.top_k, dim=-1, sorted=False).indices  # [N, k]
+    weights = scores.gather(1, experts)
+    if config.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = weights * config.routed_scaling_factor
+    tokens_per_expert = torch.bincount(experts.flatten(), minlength=config.n_experts)
+    return Routing(experts, weights, scores, tokens_per_expert)
+
+
+def limit_to_best_groups(choice: Tensor, n_group: int, topk_group: int) -> Tensor:
+    """Set to -inf the experts outside each token's ``topk_group`` best groups.
+
+    choice [N, E]; a group's score is the sum of its two best experts' values (DeepSeek-V3).
+    """
+    N, E = choice.shape
+    grouped = choice.view(N, n_group, E // n_group)
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, n_group]
+    best = group_scores.topk(topk_group, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~keep[..., None], float("-inf")).view(N, E)
+
+
+# ----------------------------------------------------------------------------------------------
+# experts and dispatch
+
+
+def swiglu_expert(x: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """One expert: x [n, d], gate_up [2I, d] (gate rows, then up rows), down [d, I] → [n, d]."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
+
+
+def dispatch(x: Tensor, routing: Routing, gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:
+    """Σ_j w_j · expert_{e_j}(x) for every token, with one matrix product per expert hit.
+
+    x [N, d] → [N, d]. The N·k (token, expert) pairs are sorted by expert, so each expert's
+    tokens form one contiguous slice; each expert runs once on its slice, the outputs are
+    weighted and added back to their tokens with ``index_add_``. An expert that received no
+    token costs nothing. The Python loop runs over experts, never over tokens.
+    """
+    if x.shape[0] == 0:
+        return torch.zeros_like(x)
+    k = routing.experts.shape[1]
+    order = routing.experts.flatten().argsort(stable=True)  # pairs grouped by expert
+    token = order // k  # which token each sorted pair belongs to
+    counts = routing.tokens_per_expert.tolist()
+    outputs = []
+    for e, x_e in enumerate(x[token].split(counts)):
+        if counts[e]:
+            outputs.append(swiglu_expert(x_e, gate_up_proj[e], down_proj[e]))
+    y = torch.cat(outputs) * routing.weights.flatten()[order, None]
+    return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts stored as two stacked tensors, the layout of ``transformers``."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        E, d, I = config.n_experts, config.d_model, config.expert_hidden
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, d) * 0.02)
+        self.down_proj = nn.Parameter(torch.randn(E, d, I) * 0.02)
+
+    def forward(self, x: Tensor, routing: Routing) -> Tensor:
+        return dispatch(x, routing, self.gate_up_proj, self.down_proj)
+
+
+class TopKRouter(nn.Module):
+    """The router: ``weight [E, d]`` (trained) and ``e_score_correction_bias [E]`` (a buffer,
+    moved by :meth:`MoE.update_bias`, never by gradients)."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.randn(config.n_experts, config.d_model) * 0.02)
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.n_experts))
+
+    def forward(self, x: Tensor) -> Routing:
+        return route(x, self.weight, self.e_score_correction_bias, self.config)
+
+
+class MoE(nn.Module):
+    """A Mixture-of-Experts feed-forward layer: x [B, T, d] → [B, T, d].
+
+    ``y = Σ_j w_j · expert_{e_j}(x) + shared(x)`` per token. After each forward pass the layer
+    keeps its decision in ``last_routing`` (for plots and for :meth:`aux_loss`), and, in training
+    mode, adds the tokens each expert received to ``load`` (for :meth:`update_bias`).
+    """
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.gate = TopKRouter(config)
+        self.experts = Experts(config)
+        n_shared = config.n_shared_experts
+        self.shared_experts = (
+            SwiGLU(config.d_model, config.expert_hidden * n_shared) if n_shared else None
+        )
+        self.last_routing: Routing | None = None
+        self.register_buffer("load", torch.zeros(config.n_experts), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.config.d_model:
+            raise ValueError(f"expected [..., d_model={self.config.d_model}], got {tuple(x.shape)}")
+        flat = x.reshape(-1, x.shape[-1])
+        routing = self.gate(flat)
+        y = self.experts(flat, routing)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        self.last_routing = routing
+        if self.training:
+            self.load += routing.tokens_per_expert
+        return y.view(x.shape)
+
+    def aux_loss(self) -> Tensor:
+        """Switch Transformer's balance loss ``E · Σ f_i P_i`` of the last forward pass."""
+        if self.last_routing is None:
+            raise RuntimeError("aux_loss() needs a forward pass first")
+        return load_balancing_loss(self.last_routing)
+
+    @torch.no_grad()
+    def update_bias(self, gamma: float) -> None:
+        """DeepSeek-V3's auxiliary-loss-free balancing, called once after each training step.
+
+        Each expert whose load (tokens since the last call) is above the mean has its bias
+        lowered by γ, each one below raised by γ; then the load counter restarts. The bias only
+        changes which experts are chosen, never the weights of a chosen expert.
+        """
+        self.gate.e_score_correction_bias += gamma * torch.sign(self.load.mean() - self.load)
+        self.load.zero_()
+
+
+def load_balancing_loss(routing: Routing) -> Tensor:
+    """Switch Transformer's auxiliary loss ``E · Σ_i f_i P_i`` (multiply by α to train with it).
+
+    ``f_i``: the share of the N·k token copies sent to expert i (counted, no gradient);
+    ``P_i``: the mean over tokens of the router's probability for expert i (sigmoid scores are
+    first normalised per token to sum to 1, as in DeepSeek-V3's balance loss). Equals 1 when
+    load and probabilities are uniform, and grows as they concentrate on the same experts.
+    """
+    E = routing.scores.shape[-1]
+    f = routing.tokens_per_expert.float() / routing.experts.numel()
+    probs = routing.scores / routing.scores.sum(dim=-1, keepdim=True)
+    return E * (f * probs.mean(dim=0)).sum()
+
+
+def moe_reference(moe: MoE, x: Tensor) -> Tensor:
+    """The same layer as a plain loop over tokens and their chosen experts (the definition).
+
+    x [B, T, d] → [B, T, d]. Slow on purpose: the tests check :class:`MoE` against it.
+    """
+    flat = x.reshape(-1, x.shape[-1])
+    routing = moe.gate(flat)
+    w_gate_up, w_down = moe.experts.gate_up_proj, moe.experts.down_proj
+    rows = []
+    for n in range(flat.shape[0]):
+        y = torch.zeros_like(flat[n])
+        for e, w in zip(routing.experts[n].tolist(), routing.weights[n], strict=True):
+            y = y + w * swiglu_expert(flat[n : n + 1], w_gate_up[e], w_down[e])[0]
+        if moe.shared_experts is not None:
+            y = y + moe.shared_experts(flat[n])
+        rows.append(y.to(x.dtype))
+    return torch.stack(rows).view(x.shape)
+
+
+def dense_equivalent(config: MoEConfig) -> SwiGLU:
+    """A dense SwiGLU with as many active parameters as the MoE (minus the small router).
+
+    Hidden width ``(top_k + n_shared) · expert_hidden``: every token goes through as many
+    weights as through its k routed experts and the shared ones.
+    """
+    return SwiGLU(config.d_model, config.active_hidden)
+
+
+def moe_param_counts(config: MoEConfig) -> tuple[int, int]:
+    """(total, active) parameters of one MoE layer: router, E (or k) experts, shared experts."""
+    d, I = config.d_model, config.expert_hidden
+    router = config.n_experts * d
+    expert = 3 * d * I
+    shared = config.n_shared_experts * expert
+    total = router + config.n_experts * expert + shared
+    active = router + config.top_k * expert + shared
+    return total, active
+
+
+# ----------------------------------------------------------------------------------------------
+# balancing during training, without changing the training loop
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """Every :class:`MoE` inside ``model``."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+class AuxLossWrapper(nn.Module):
+    """Adds MoE balancing to any model whose ``model(x, y)`` returns ``(logits, loss)``.
+
+    - ``aux_alpha > 0``: the training loss becomes ``loss + α · mean over layers of
+      aux_loss()`` (Switch Transformer). Validation losses (eval mode) stay the plain loss.
+    - ``bias_gamma > 0``: DeepSeek-V3's bias update with step γ. The update for step t runs at
+      the start of the training forward pass of step t + 1 (and only then: evaluation passes do
+      not count), which is the same as running it right after step t's optimizer step, without
+      needing a hook in :func:`gpt2kimi.train.train`.
+
+    ``load_history`` records, for every training step, each layer's tokens per expert.
+    """
+
+    def __init__(self, model: nn.Module, aux_alpha: float = 0.0, bias_gamma: float = 0.0) -> None:
+        super().__init__()
+        if aux_alpha < 0 or bias_gamma < 0:
+            raise ValueError(
+                f"aux_alpha and bias_gamma must be >= 0, got {aux_alpha} and {bias_gamma}"
+            )
+        self.model = model
+        self.aux_alpha = aux_alpha
+        self.bias_gamma = bias_gamma
+        self.layers = moe_layers(model)
+        if not self.layers:
+            raise ValueError("the model has no MoE layer to balance")
+        self.load_history: list[list[list[int]]] = []  # [step][layer][expert]
+
+    def forward(self, x: Tensor, y: Tensor | None = None):
+        if self.training and self.bias_gamma > 0 and self.load_history:
+            for layer in self.layers:  # the previous training step's update
+                layer.update_bias(self.bias_gamma)
+        out = self.model(x, y) if y is not None else self.model(x)
+        if self.training:
+            self.load_history.append(
+                [layer.last_routing.tokens_per_expert.tolist() for layer in self.layers]
+            )
+            if y is not None and self.aux_alpha > 0:
+                logits, loss = out
+                aux = torch.stack([layer.aux_loss() for layer in self.layers]).mean()
+                return logits, loss + self.aux_alpha * aux
+        return out
