@@ -10,6 +10,8 @@ from gpt2kimi.accounting import (
     format_bytes,
     kv_cache_bytes,
     kv_cache_bytes_per_token,
+    mla_expanded_bytes_per_token,
+    mla_latent_bytes_per_token,
     recurrent_state_bytes,
     total_cache_bytes,
 )
@@ -108,3 +110,40 @@ def test_format_bytes():
     assert format_bytes(1.5 * 2**30) == "1.5 GiB"
     assert format_bytes(1008 * 2**20) == "1008 MiB"
     assert format_bytes(2**50) == "1024 TiB"
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-head Latent Attention (chapter 6)
+
+
+@pytest.mark.parametrize(
+    "key,expected", [("deepseek-v3", 70_272), ("kimi-k2", 70_272), ("kimi-linear-48b-a3b", 8_064)]
+)
+def test_mla_latent_bytes_equal_the_real_latent_cache_tensors(key, expected):
+    from gpt2kimi.mla import LatentCache
+
+    cfg = MODELS[key]
+    cache = LatentCache(2, 3, cfg.kv_lora_rank, cfg.rope_dim, dtype=torch.bfloat16)
+    assert cfg.cached_layers * cache.bytes_per_token == mla_latent_bytes_per_token(cfg) == expected
+    assert cfg.cached_layers * cache.nbytes == 2 * 3 * expected
+
+
+def test_mla_expanded_bytes_equal_the_real_per_head_cache_tensors():
+    from gpt2kimi.mla import ExpandedKVCache
+
+    for key, heads in [("deepseek-v3", 128), ("kimi-linear-48b-a3b", 32)]:
+        cfg = MODELS[key]
+        cache = ExpandedKVCache(1, heads, 1, 128 + 64, 128, dtype=torch.bfloat16)
+        assert cfg.cached_layers * cache.nbytes == mla_expanded_bytes_per_token(cfg)
+    # DeepSeek-V3: 128 heads · (192 + 128) numbers per layer expanded, against 576 latent ones
+    ratio = mla_expanded_bytes_per_token(MODELS["deepseek-v3"]) / 70_272
+    assert round(ratio, 1) == 71.1
+
+
+def test_mla_accounting_rejects_other_attention_and_unknown_widths():
+    with pytest.raises(ValueError, match="not MLA"):
+        mla_latent_bytes_per_token(MODELS["llama-3-8b"])
+    with pytest.raises(ValueError, match="not MLA"):
+        mla_expanded_bytes_per_token(MODELS["gpt2"])
+    with pytest.raises(ValueError, match="head_dim unknown"):
+        mla_expanded_bytes_per_token(MODELS["kimi-k2"])  # its head widths are not in the sources

@@ -179,6 +179,29 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+# ----------------------------------------------------------------------------------------------
+# Multi-head Latent Attention (chapter 6): the latent cache and the per-head cache it replaces
+
+
+def mla_latent_bytes_per_token(cfg: ModelConfig, bytes_per_element: int = 2) -> int:
+    """MLA's cache per token: ``layers · (kv_lora_rank + rope_dim) · e`` (one latent ``c_kv`` and
+    one shared RoPE key per layer; no heads, no factor 2)."""
+    if cfg.attention != "mla":
+        raise ValueError(f"{cfg.name} has {cfg.attention.upper()} attention, not MLA")
+    return kv_cache_bytes_per_token(cfg, bytes_per_element)
+
+
+def mla_expanded_bytes_per_token(cfg: ModelConfig, bytes_per_element: int = 2) -> int:
+    """What the same MLA layers would cache as per-head keys and values (the naive decode path):
+    ``layers · n_head · (d_nope + rope_dim + d_v) · e``, with ``d_nope = d_v = head_dim`` (as in
+    DeepSeek-V3 and Kimi Linear: each key is its own nope part plus the shared rope key)."""
+    if cfg.attention != "mla":
+        raise ValueError(f"{cfg.name} has {cfg.attention.upper()} attention, not MLA")
+    _require(cfg, "n_head", "head_dim", "rope_dim")
+    per_head = cfg.head_dim + cfg.rope_dim + cfg.head_dim
+    return cfg.cached_layers * cfg.n_head * per_head * bytes_per_element
+
+
 _GPT2_NAMES = {
     "gpt2": "GPT-2 small",
     "gpt2-medium": "GPT-2 medium",
@@ -245,6 +268,8 @@ MODELS: dict[str, ModelConfig] = {
         n_layer=27,
         d_model=2304,
         attention="mla",
+        n_head=32,  # MLA heads
+        head_dim=128,  # d_nope of each head's key (and width of its value)
         kv_lora_rank=512,
         # NoPE: no rotary embedding is applied, but the sheet's 576 cached numbers per MLA layer
         # include a 64-wide decoupled key, as in DeepSeek-V3.

@@ -24,6 +24,7 @@ from gpt2kimi.deltanet import DeltaNet
 from gpt2kimi.gated_deltanet import GatedDeltaNet
 from gpt2kimi.kda import KimiDeltaAttention
 from gpt2kimi.linear_attention import LinearAttention
+from gpt2kimi.mla import mla_mixer
 from gpt2kimi.mqar import MQARConfig, MQARTraining, map_jobs, train_mqar
 
 MIXERS: dict[str, MixerFactory] = {
@@ -41,6 +42,8 @@ MIXERS: dict[str, MixerFactory] = {
     "gated_deltanet_sigmoid": partial(GatedDeltaNet, output_gate="sigmoid"),
     # chapter 5: forgetting, one gate per key channel (Kimi Delta Attention)
     "kda": KimiDeltaAttention,
+    # chapter 6: exact memory, compressed: Multi-head Latent Attention (NoPE, as in Kimi Linear)
+    "mla": mla_mixer,
 }
 
 FFNS: dict[str, FFNFactory] = {
