@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -274,3 +274,225 @@ def mean_over_seeds(results: Iterable[dict], mixer: str, num_keys: int, field: s
     if not values:
         raise KeyError(f"no results for mixer={mixer!r}, num_keys={num_keys}")
     return sum(values) / len(values)
+
+
+# ==============================================================================================
+# Sliding-window recall: a stream of many more facts than a memory has key directions, whose
+# queries ask only about the latest few. A memory that cannot let go fills up with old facts.
+
+
+@dataclass(frozen=True)
+class WindowRecallConfig:
+    """One sliding-window recall task: vocabulary, length, queries per sequence, window.
+
+    A sequence is a stream of ``seq_len // 2`` two-token events ``key value``. Every event is
+    either a new *fact* (a key not seen before in the sequence, a random value) or a *query*
+    that restates one of the ``window`` most recent facts; the model is scored on predicting
+    the value at the query's key position. Keys come from ``[1, V/2)``, values from
+    ``[V/2, V)`` (as in MQAR), and a sequence writes ``num_events − num_queries`` facts, many
+    more than a head's memory has key directions when the stream is long. Example, window 2
+    (letters for keys, digits for values, ``_`` an ignored target)::
+
+        x:  A 3 B 7 C 1 B 7 D 4 D 4 E 9 ...
+        y:  _ _ _ _ _ _ 7 _ _ _ 4 _ _ _ ...
+
+    (``B 7`` and ``D 4`` are queries, each about one of the two latest facts; once C is
+    written, A is never asked about again, so a memory may let it go.)
+    """
+
+    vocab_size: int = 256
+    seq_len: int = 256
+    num_queries: int = 32
+    window: int = 8
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"window must be at least 1, got {self.window}")
+        if self.num_queries < 1:
+            raise ValueError(f"num_queries must be at least 1, got {self.num_queries}")
+        if self.num_queries > self.num_events - self.window:
+            raise ValueError(
+                f"seq_len={self.seq_len} gives {self.num_events} events; the first "
+                f"window={self.window} are facts, so at most {self.num_events - self.window} "
+                f"can be queries, fewer than num_queries={self.num_queries}"
+            )
+        if self.num_facts > self.vocab_size // 2 - 1:
+            raise ValueError(
+                f"{self.num_facts} facts need as many distinct keys, but vocab_size="
+                f"{self.vocab_size} holds only {self.vocab_size // 2 - 1} ([1, "
+                f"{self.vocab_size // 2})); use vocab_size >= {2 * (self.num_facts + 1)}"
+            )
+
+    @property
+    def num_events(self) -> int:
+        """Two-token events ``key value`` in a sequence (an odd last token is a filler)."""
+        return self.seq_len // 2
+
+    @property
+    def num_facts(self) -> int:
+        """Facts written per sequence: every event that is not a query."""
+        return self.num_events - self.num_queries
+
+
+def window_recall_batch(
+    cfg: WindowRecallConfig, batch_size: int, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor]:
+    """A batch of sliding-window recall sequences: ``x`` and ``y``, [batch_size, seq_len].
+
+    ``y[b, t]`` is the value of the fact that the query at key position t restates, -100
+    everywhere else. Vectorised over the batch and the events: no Python loop.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    B, E, W, V = batch_size, cfg.num_events, cfg.window, cfg.vocab_size
+    half = V // 2
+    rows = torch.arange(B)[:, None]
+    # which events are queries: num_queries of the events after the first W (always facts)
+    later = torch.rand(B, E - W, generator=generator).argsort(dim=-1)[:, : cfg.num_queries]
+    is_query = torch.zeros(B, E, dtype=torch.bool)
+    is_query[rows, W + later] = True
+    # fact f of a sequence: its key (distinct within the sequence) and value
+    keys = torch.rand(B, half - 1, generator=generator).argsort(dim=-1)[:, : cfg.num_facts] + 1
+    values = torch.randint(half, V, (B, cfg.num_facts), generator=generator)
+    # facts written before each event; a fact event writes fact number `written`, a query
+    # restates fact number written − 1 − j with j uniform in [0, W): one of the W latest
+    written = (~is_query).long().cumsum(dim=-1) - (~is_query).long()  # [B, E]
+    back = torch.randint(0, W, (B, E), generator=generator)
+    fact = torch.where(is_query, written - 1 - back, written)
+    x = torch.randint(0, V, (B, cfg.seq_len), generator=generator)  # fillers (odd last token)
+    x[:, 0 : 2 * E : 2] = keys.gather(1, fact)
+    x[:, 1 : 2 * E : 2] = values.gather(1, fact)
+    y = torch.full((B, cfg.seq_len), IGNORE, dtype=torch.long)
+    y[:, 0 : 2 * E : 2] = torch.where(is_query, values.gather(1, fact), IGNORE)
+    return x, y
+
+
+def window_recall_batches(
+    cfg: WindowRecallConfig, batch_size: int, seed: int = 0
+) -> Callable[[str], tuple[Tensor, Tensor]]:
+    """A batch source for :func:`gpt2kimi.train.train`: ``batches("train")``, ``batches("val")``,
+    each split from its own seeded generator (as :func:`gpt2kimi.mqar.mqar_batches`)."""
+    return seeded_splits(lambda generator: window_recall_batch(cfg, batch_size, generator), seed)
+
+
+WINDOW_PARTS = 4  # window_recall_scores splits the stream into this many parts
+
+
+@torch.no_grad()
+def window_recall_scores(
+    model: nn.Module,
+    cfg: WindowRecallConfig,
+    n_sequences: int = 512,
+    batch_size: int = 128,
+    seed: int = 1234,
+) -> dict:
+    """Score ``model`` (``model(x)`` → logits [B, T, vocab]) on fresh sequences.
+
+    Returns ``{"accuracy": fraction of queries answered with the right value, "by_part":
+    [accuracy of the queries in each quarter of the stream]}``. The quarters show the memory
+    filling up: a query in the last quarter comes after about three quarters of the facts. The
+    test sequences come from their own generator (``seed``), the same for every model.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    E = cfg.num_events
+    part = torch.arange(E) * WINDOW_PARTS // E  # [E]: the quarter of each event
+    correct, total = torch.zeros(WINDOW_PARTS), torch.zeros(WINDOW_PARTS)
+    remaining = n_sequences
+    while remaining > 0:
+        x, y = window_recall_batch(cfg, min(batch_size, remaining), generator)
+        remaining -= len(x)
+        pred = model(x.to(device)).argmax(dim=-1).cpu()[:, 0 : 2 * E : 2]  # at key positions
+        target = y[:, 0 : 2 * E : 2]
+        queried = (target != IGNORE).float()
+        right = (pred == target).float() * queried
+        correct += torch.zeros(WINDOW_PARTS).index_add_(0, part, right.sum(dim=0))
+        total += torch.zeros(WINDOW_PARTS).index_add_(0, part, queried.sum(dim=0))
+    model.train(was_training)
+    by_part = (correct / total.clamp_min(1)).tolist()
+    return {"accuracy": float(correct.sum() / total.sum()), "by_part": by_part}
+
+
+@dataclass
+class WindowRecallResult(MQARResult):
+    """MQAR's result plus ``by_part``: the accuracy in each quarter of the stream."""
+
+    by_part: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {**super().as_dict(), "by_part": [round(a, 4) for a in self.by_part]}
+
+
+def train_window_recall(
+    model: nn.Module, cfg: WindowRecallConfig, training: MQARTraining | None = None
+) -> WindowRecallResult:
+    """Train ``model`` (``model(x, y)`` → ``(logits, loss)``) on the task, then score it on
+    the fixed test set shared by every model (:func:`window_recall_scores`)."""
+    training = MQARTraining() if training is None else training
+    start = time.perf_counter()
+    batches = window_recall_batches(cfg, training.batch_size, seed=training.seed)
+    history = train(model, batches, training.train_config())
+    scores = window_recall_scores(model, cfg, n_sequences=training.eval_sequences)
+    seconds = time.perf_counter() - start
+    return WindowRecallResult(scores["accuracy"], history, seconds, by_part=scores["by_part"])
+
+
+def run_window_recall(
+    make_model: ModelFactory,
+    cfg: WindowRecallConfig,
+    training: MQARTraining | None = None,
+    seed: int = 0,
+) -> dict:
+    """Seed, build ``make_model()``, train it on ``cfg`` with ``training`` (its seed replaced by
+    ``seed``); return ``{"seq_len", "window", "seed", "accuracy", "seconds", "final_loss",
+    "by_part"}`` with floats rounded to 4 digits."""
+    training = MQARTraining(seed=seed) if training is None else replace(training, seed=seed)
+    torch.manual_seed(seed)
+    result = train_window_recall(make_model(), cfg, training)
+    record = {"seq_len": cfg.seq_len, "window": cfg.window, "seed": seed, **result.as_dict()}
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}
+
+
+def _run_window_recall_job(
+    job: tuple[str, ModelFactory, WindowRecallConfig, MQARTraining, int],
+) -> dict:
+    """One sweep run (a module-level function, so that worker processes can run it)."""
+    name, make_model, cfg, training, seed = job
+    return {"mixer": name, **run_window_recall(make_model, cfg, training, seed)}
+
+
+def window_recall_sweep(
+    models: Mapping[str, ModelFactory],
+    seeds: Iterable[int] = (0,),
+    *,
+    training: MQARTraining | None = None,
+    jobs: int = 1,
+    log: Callable[[dict], None] | None = None,
+    **task_kwargs,
+) -> dict:
+    """Train every named model × seed on one sliding-window recall task.
+
+    ``models`` maps a name to a constructor taking no arguments (picklable when ``jobs > 1``);
+    ``task_kwargs`` (``vocab_size``, ``seq_len``, ``num_queries``, ``window``) make the
+    :class:`WindowRecallConfig`; ``jobs > 1`` runs that many single-threaded worker processes;
+    ``log`` sees each record. Returns ``{"settings": {...}, "results": [record, ...]}``,
+    JSON-ready, the results in model, seed order, each record starting with ``"mixer"``.
+    """
+    names, seeds = list(models), list(seeds)
+    training = MQARTraining() if training is None else training
+    cfg = WindowRecallConfig(**task_kwargs)
+    job_list = [(name, models[name], cfg, training, seed) for name in names for seed in seeds]
+    start = time.perf_counter()
+    results = map_jobs(_run_window_recall_job, job_list, jobs, log)
+    settings = {
+        **asdict(cfg),
+        "num_facts": cfg.num_facts,
+        **{f"train_{k}": v for k, v in asdict(training).items() if k != "seed"},
+        "mixers": names,
+        "seeds": seeds,
+        "jobs": jobs,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    return {"settings": settings, "results": results}

@@ -18,6 +18,7 @@ from functools import partial
 
 import torch
 
+from gpt2kimi.ablations import AdditiveDeltaNet, KDAWithoutForgetting
 from gpt2kimi.attention import SoftmaxAttention
 from gpt2kimi.backbone import BackboneConfig, FFNFactory, LanguageModel, MixerFactory, SwiGLU
 from gpt2kimi.deltanet import DeltaNet
@@ -36,12 +37,16 @@ MIXERS: dict[str, MixerFactory] = {
     "linear_elu": partial(LinearAttention, feature_map="elu1", normalize=True),
     # chapter 4: the delta rule
     "deltanet": DeltaNet,
+    # chapter 4's ablation: DeltaNet's layer with linear attention's additive update
+    "deltanet_additive": AdditiveDeltaNet,
     # chapter 5: forgetting, one gate per head
     "gated_deltanet": GatedDeltaNet,
     # chapter 5: the same with a sigmoid output gate instead of swish (a small-budget ablation)
     "gated_deltanet_sigmoid": partial(GatedDeltaNet, output_gate="sigmoid"),
     # chapter 5: forgetting, one gate per key channel (Kimi Delta Attention)
     "kda": KimiDeltaAttention,
+    # chapter 5's ablation: KDA with its forget gate off (every decay exactly 1)
+    "kda_no_forget": KDAWithoutForgetting,
     # chapter 6: exact memory, compressed: Multi-head Latent Attention (NoPE, as in Kimi Linear)
     "mla": mla_mixer,
 }

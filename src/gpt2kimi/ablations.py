@@ -1,0 +1,69 @@
+"""Ablations of the chapter-4 and chapter-5 layers: one part taken out, everything else kept.
+
+Each answers a question the chapters ask of their trained results:
+
+- :class:`AdditiveDeltaNet`: is it DeltaNet's *update rule* that recalls better than linear
+  attention, or the rest of its layer (short convolutions, SiLU, unit q and k, the output norm)?
+  The layer keeps all of that and writes ``S ← S + k vᵀ`` as linear attention does.
+- :class:`KDAWithoutForgetting`: what does KDA's forget gate cost or buy? The layer keeps the
+  gate's projections but fixes its rate ``A = exp(A_log)`` at 0, so every log-decay
+  ``g = −A · softplus(·)`` is exactly 0 and every decay ``α = e^g`` is exactly 1: KDA becomes
+  DeltaNet with KDA's output gate.
+
+They are registered in :data:`gpt2kimi.zoo.MIXERS` (``"deltanet_additive"``,
+``"kda_no_forget"``), so the recall sweeps train them by name like any other mixer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from gpt2kimi.deltanet import DeltaNet, DeltaNetState
+from gpt2kimi.kda import KimiDeltaAttention
+from gpt2kimi.linear_attention import linear_attention_chunk
+
+
+class AdditiveDeltaNet(DeltaNet):
+    """DeltaNet's layer with linear attention's update: ``S_t = S_{t−1} + k_t v_tᵀ``.
+
+    q, k, v = SiLU(ShortConv(Linear x)) with q, k L2-normalised, and y = Linear(RMSNorm(o)), as
+    in :class:`~gpt2kimi.deltanet.DeltaNet`; only the operator differs, and β (which the additive
+    update does not use) is removed. Same state contract as DeltaNet.
+    """
+
+    def __init__(
+        self, d_model: int, n_head: int, *, conv_size: int = 4, chunk_size: int = 64
+    ) -> None:
+        super().__init__(d_model, n_head, conv_size=conv_size, chunk_size=chunk_size)
+        del self.b_proj  # no step size: every write adds the full k vᵀ
+
+    def forward(
+        self, x: Tensor, state: DeltaNetState | None = None, return_state: bool = False
+    ) -> Tensor | tuple[Tensor, DeltaNetState]:
+        """x: [B, T, d_model] -> y: [B, T, d_model] (and the new state, if ``return_state``)."""
+        B, T, d_model = x.shape
+        q, k, v, conv = self.qkv(x, state)
+        memory = None if state is None else state.memory
+        o, memory = linear_attention_chunk(
+            q, k, v, initial_state=memory, chunk_size=self.chunk_size
+        )
+        y = self.o_proj(self.o_norm(o).reshape(B, T, d_model))
+        return (y, DeltaNetState(memory, *conv)) if return_state else y
+
+
+class KDAWithoutForgetting(KimiDeltaAttention):
+    """Kimi Delta Attention with its forget gate switched off: every decay is exactly 1.
+
+    ``A_log`` becomes a constant buffer of −inf, so ``A = exp(A_log) = 0`` and the log-decay
+    ``g = −A · softplus(f_proj(x) + dt_bias)`` is 0 for every token and key channel. The gate's
+    projections still run (the forward pass is KDA's own) but get no gradient. What remains is
+    the delta rule with KDA's q/k/v path and its sigmoid output gate.
+    """
+
+    def __init__(
+        self, d_model: int, n_head: int, *, conv_size: int = 4, chunk_size: int = 64
+    ) -> None:
+        super().__init__(d_model, n_head, conv_size=conv_size, chunk_size=chunk_size)
+        del self.A_log  # the learned rate, replaced by a fixed A = 0
+        self.register_buffer("A_log", torch.full((n_head,), float("-inf")))
