@@ -6,10 +6,13 @@ import torch
 from gpt2kimi.accounting import (
     MODELS,
     ModelConfig,
+    all_attention,
     attention_param_count,
+    decode_memory_bytes,
     format_bytes,
     kv_cache_bytes,
     kv_cache_bytes_per_token,
+    kv_cache_saving,
     mla_expanded_bytes_per_token,
     mla_latent_bytes_per_token,
     recurrent_state_bytes,
@@ -147,3 +150,26 @@ def test_mla_accounting_rejects_other_attention_and_unknown_widths():
         mla_expanded_bytes_per_token(MODELS["gpt2"])
     with pytest.raises(ValueError, match="head_dim unknown"):
         mla_expanded_bytes_per_token(MODELS["kimi-k2"])  # its head widths are not in the sources
+
+
+# ----------------------------------------------------------------------------------------------
+# hybrids (chapter 8)
+
+
+def test_kimi_linear_saves_20_of_27_layers_of_cache():
+    """7 MLA layers of 27: 1 − 7/27 ≈ 74% less KV cache than MLA everywhere (the paper's "up to
+    75%" is the 3:1 ratio's limit)."""
+    cfg = MODELS["kimi-linear-48b-a3b"]
+    full = all_attention(cfg)
+    assert (full.cached_layers, full.n_linear_layers) == (27, 0)
+    assert kv_cache_bytes_per_token(full) == 27 * 576 * 2
+    assert kv_cache_saving(cfg) == pytest.approx(20 / 27)
+    assert kv_cache_saving(full) == 0
+
+
+def test_decode_memory_is_cache_plus_fp32_state():
+    cfg = MODELS["kimi-linear-48b-a3b"]
+    state = 20 * 32 * 128 * 128 * 4  # 40 MiB of fp32 KDA memory per sequence
+    assert decode_memory_bytes(cfg, 0) == state
+    assert decode_memory_bytes(cfg, 1000, batch=2) == 2 * (1000 * 8_064 + state)
+    assert decode_memory_bytes(all_attention(cfg), 1000) == 1000 * 27 * 576 * 2

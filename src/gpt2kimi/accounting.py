@@ -16,7 +16,7 @@ fixed state. Unknown values are ``None``; a formula that needs one raises a clea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpt2kimi.gpt2 import PRESETS, GPT2Config, gpt2_param_count
 
@@ -302,3 +302,42 @@ MODELS: dict[str, ModelConfig] = {
         source="third-party documentation (July 2026), via the reference sheet",
     ),
 }
+
+
+# ----------------------------------------------------------------------------------------------
+# Hybrids (chapter 8): what replacing attention layers by linear ones saves
+
+
+def all_attention(cfg: ModelConfig) -> ModelConfig:
+    """The same model with an attention layer (of its kind) in every layer: a hybrid's
+    full-attention baseline, e.g. Kimi Linear with MLA in all 27 layers."""
+    return replace(
+        cfg,
+        name=f"{cfg.name}, all {cfg.attention.upper()}",
+        n_attn_layers=cfg.n_layer,
+        n_linear_layers=0,
+        linear_heads=None,
+        linear_key_dim=None,
+        linear_value_dim=None,
+    )
+
+
+def kv_cache_saving(cfg: ModelConfig) -> float:
+    """The share of the KV cache a hybrid saves against :func:`all_attention`:
+    ``1 − attention layers / layers`` (3 linear layers per attention layer: 75%)."""
+    return 1 - kv_cache_bytes_per_token(cfg) / kv_cache_bytes_per_token(all_attention(cfg))
+
+
+def decode_memory_bytes(
+    cfg: ModelConfig,
+    context_len: int,
+    batch: int = 1,
+    cache_bytes_per_element: int = 2,
+    state_bytes_per_element: int = 4,
+) -> int:
+    """What decoding keeps for ``batch`` sequences of ``context_len`` tokens: the KV cache (bf16
+    by default) plus the linear layers' fixed states (fp32 by default, as implementations keep
+    them, see :func:`recurrent_state_bytes`)."""
+    return kv_cache_bytes(cfg, context_len, batch, cache_bytes_per_element) + (
+        recurrent_state_bytes(cfg, batch, state_bytes_per_element)
+    )
