@@ -297,3 +297,47 @@ def test_joins_the_zoo_and_trains():
     assert isinstance(model.blocks[0].mixer, MultiHeadLatentAttention)
     grad = model.blocks[0].mixer.kv_b_proj.weight.grad
     assert grad is not None and grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+def test_benchmark_softmax_decode_equals_chapter_2_layer(n_kv_heads):
+    from gpt2kimi.attention import SoftmaxAttention
+    from gpt2kimi.bench.mla import softmax_decode
+    from gpt2kimi.kv_cache import LayerKVCache
+
+    layer = SoftmaxAttention(32, 4, n_kv_heads).double().eval()
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    caches = [LayerKVCache(2, n_kv_heads, 6, 8, dtype=torch.float64) for _ in range(2)]
+    with torch.no_grad():
+        layer(x[:, :5], caches[0])
+        layer(x[:, :5], caches[1])
+        torch.testing.assert_close(
+            softmax_decode(layer, x[:, 5:], caches[0]), layer(x[:, 5:], caches[1])
+        )
+
+
+def test_benchmark_runs_every_method_and_counts_bytes():
+    from gpt2kimi.bench.mla import METHODS, bench_mla_config, cost, format_table, measure
+
+    config = bench_mla_config(64, 4)
+    rows = measure((16, 32), repeats=1, config=config)
+    assert [r.method for r in rows[: len(METHODS)]] == list(METHODS)
+    table = format_table(rows)
+    assert "MLA absorbed" in table and "absorbed vs re-expanded speed-up" in table
+    latent, absorbed_flops = cost("MLA absorbed", 100, config)
+    assert latent == 100 * config.cache_dim * 4  # the latent cache, fp32
+    assert cost("MLA re-expanded", 100, config)[1] > 10 * absorbed_flops
+
+
+def test_decodes_in_the_backbone_through_the_state_contract():
+    torch.manual_seed(0)
+    model = build_model("mla", mqar_model_config()).eval()
+    idx = torch.randint(0, 64, (2, 9))
+    cache = model.new_cache(2, 9)
+    assert isinstance(cache.layers[0].mixer, LatentCache)
+    with torch.no_grad():
+        full = model(idx)
+        pieces = [model(idx[:, :4], cache=cache)] + [
+            model(idx[:, t : t + 1], cache=cache) for t in range(4, 9)
+        ]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full)

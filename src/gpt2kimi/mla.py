@@ -325,6 +325,12 @@ class LatentCache:
         """Forget the cached tokens (the buffers stay allocated)."""
         self._buffers.reset()
 
+    def crop(self, n: int) -> None:
+        """Keep only the first ``n`` cached tokens (to undo decode steps, e.g. in a benchmark)."""
+        if not 0 <= n <= self.pos:
+            raise ValueError(f"can keep 0 … {self.pos} cached tokens, got {n}")
+        self._buffers.pos = n
+
 
 # ----------------------------------------------------------------------------------------------
 # the layer
@@ -417,14 +423,25 @@ class MultiHeadLatentAttention(nn.Module):
 
     # -- the three ways to attend --------------------------------------------------------------
 
+    def attention_weights(self, scores: Tensor) -> Tensor:
+        """Scaled, causally masked softmax of scores ``[B, H, T, S]`` (the T queries are the last
+        T of the S positions), in fp32 or fp64."""
+        T, S = scores.shape[-2:]
+        scores = scores * self.scale
+        if T > 1:  # one new token reads everything cached: no mask needed
+            mask = cached_causal_mask(T, S - T, device=scores.device)
+            scores = scores.masked_fill(~mask, float("-inf"))
+        dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
+        return torch.softmax(scores.to(dtype), dim=-1).to(scores.dtype)
+
     def attend_expanded(self, q_nope: Tensor, q_rope: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Standard attention over per-head keys and values: ``[B, H, T, v_head_dim]``."""
-        T, S = q_nope.size(2), k.size(2)
         q = torch.cat([q_nope, q_rope], dim=-1)
-        if T == S:
+        if q.size(2) == k.size(2):  # a whole sequence (training, a prompt): the fused kernel
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        mask = cached_causal_mask(T, S - T, device=q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        # After a cache, written out: PyTorch's CPU kernel is slow when keys and values differ
+        # in width (here qk_head_dim vs v_head_dim), and this is the form the absorbed path uses.
+        return self.attention_weights(q @ k.transpose(-1, -2)) @ v
 
     def attend_absorbed(
         self, q_nope: Tensor, q_rope: Tensor, c_kv: Tensor, k_rope: Tensor
@@ -437,15 +454,10 @@ class MultiHeadLatentAttention(nn.Module):
         ``[B, H, T, v_head_dim]``.
         """
         W_uk, W_uv = self.up_weights()
-        T, S = q_nope.size(2), c_kv.size(1)
         q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, W_uk)  # W_ukᵀ q: [B, H, T, r]
         scores = torch.einsum("bhtr,bsr->bhts", q_latent, c_kv)  # = q_nope · k_nope
         scores = scores + torch.einsum("bhtp,bsp->bhts", q_rope, k_rope)  # + q_rope · k_rope
-        scores = scores * self.scale
-        if T > 1:  # one new token reads everything cached: no mask needed
-            mask = cached_causal_mask(T, S - T, device=scores.device)
-            scores = scores.masked_fill(~mask, float("-inf"))
-        p = torch.softmax(scores.float(), dim=-1).to(c_kv.dtype)
+        p = self.attention_weights(scores)
         o_latent = torch.einsum("bhts,bsr->bhtr", p, c_kv)  # Σ_s p_s c_s: [B, H, T, r]
         return torch.einsum("bhtr,hvr->bhtv", o_latent, W_uv)  # W_uv (Σ_s p_s c_s)
 
@@ -462,13 +474,15 @@ class MultiHeadLatentAttention(nn.Module):
         ``absorb=False`` expands the latents (all cached ones, with a cache) into per-head keys
         and values; ``absorb=True`` attends over the latents themselves. ``return_state=True``
         returns ``(y, cache)``: the cache passed in, or a new one holding exactly these T tokens.
+        (The cache is the layer's state in the backbone's contract, ``forward(x, state,
+        return_state)``; it is updated in place.)
         """
         start = 0
         if cache is not None:
             self.check_cache(cache, x)
             start = cache.pos
         elif return_state:
-            cache = LatentCache.for_attention(self, x.size(0), x.size(1))
+            cache = self.init_state(x.size(0), x.size(1), dtype=x.dtype, device=x.device)
         q_nope, q_rope = self.queries(x, start)
         c_kv, k_rope = self.latents(x, start)
         if cache is not None:
@@ -479,6 +493,18 @@ class MultiHeadLatentAttention(nn.Module):
             o = self.attend_expanded(q_nope, q_rope, *self.expand(c_kv, k_rope))
         y = self.output(o)
         return (y, cache) if return_state else y
+
+    def init_state(
+        self,
+        batch_size: int,
+        max_len: int,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> LatentCache:
+        """An empty :class:`LatentCache` with room for ``max_len`` tokens (the backbone's state
+        contract; dtype and device default to those of the weights)."""
+        return LatentCache.for_attention(self, batch_size, max_len, dtype=dtype, device=device)
 
     def forward_expanded_cache(self, x: Tensor, cache: ExpandedKVCache) -> Tensor:
         """The naive decode path: cache every head's expanded key and value, as standard

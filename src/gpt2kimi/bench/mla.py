@@ -1,0 +1,235 @@
+"""One decode step of one attention layer against a filled cache: MHA, GQA, MQA and three MLAs.
+
+``python -m gpt2kimi.bench mla [--contexts 1024 … 32768] [--repeats 3] [--threads N]``
+
+Every layer has the same width (``d_model`` 512, 8 query heads of 64). The softmax layers are
+chapter 2's :class:`~gpt2kimi.attention.SoftmaxAttention` with 8, 2 and 1 key/value heads; the
+MLA layer has DeepSeek-V3's proportions (a latent of 4 head widths, a shared rope key of half a
+head) and decodes three ways: *naive* (a per-head key/value cache), *re-expanded* (the latent
+cache, expanded into per-head keys and values at every step) and *absorbed* (the latent cache
+read directly). The softmax layers read their shared heads in place (:func:`softmax_decode`).
+The cache is filled with random numbers up to the context length (speed does not depend on the
+values); each timed call appends one token, and the cache is then cut back, so every call sees
+the same context. Methods run side by side in one run, context by context.
+
+Next to the time, the table gives what each step must read from the cache and the attention's
+floating-point operations (counted from the shapes, not measured): the bandwidth / compute trade
+of the absorbed path.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from gpt2kimi.attention import SoftmaxAttention
+from gpt2kimi.bench.timing import time_fn
+from gpt2kimi.kv_cache import LayerKVCache
+from gpt2kimi.mla import LatentCache, MLAConfig, MultiHeadLatentAttention
+
+D_MODEL, N_HEAD = 512, 8
+SOFTMAX_METHODS = ("MHA", "GQA", "MQA")
+MLA_METHODS = ("MLA naive", "MLA re-expanded", "MLA absorbed")
+METHODS = (*SOFTMAX_METHODS, *MLA_METHODS)
+DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def bench_mla_config(d_model: int = D_MODEL, n_head: int = N_HEAD) -> MLAConfig:
+    """DeepSeek-V3's proportions at this width: latent 4 head widths, rope key half a head."""
+    head_dim = d_model // n_head
+    return MLAConfig(
+        d_model=d_model,
+        n_head=n_head,
+        kv_lora_rank=4 * head_dim,
+        qk_nope_head_dim=head_dim,
+        qk_rope_head_dim=head_dim // 2,
+        v_head_dim=head_dim,
+        rope=True,
+    )
+
+
+def kv_heads(method: str, n_head: int) -> int:
+    """Key/value heads of the softmax layers: all (MHA), a quarter (GQA, as Llama 3), one (MQA)."""
+    return {"MHA": n_head, "GQA": max(1, n_head // 4), "MQA": 1}[method]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One method at one context length: seconds per decode step, cache bytes read, FLOPs."""
+
+    method: str
+    context: int
+    seconds: float
+    cache_bytes: int  # bytes of cache one step reads (the whole context, this layer)
+    flops: int  # multiply-adds × 2 of the attention over the cache (projections of x excluded)
+
+    @property
+    def ms(self) -> float:
+        return 1e3 * self.seconds
+
+    @property
+    def flops_per_byte(self) -> float:
+        return self.flops / self.cache_bytes
+
+
+def cost(method: str, context: int, config: MLAConfig, element: int = 4) -> tuple[int, int]:
+    """(cache bytes read, attention FLOPs) of one decode step over ``context`` cached tokens.
+
+    Softmax attention: every query head reads a key and a value of ``head_dim`` per token
+    (``4 · H · S · D`` FLOPs whatever the number of key/value heads, which only changes bytes).
+    MLA naive: per-head keys ``[nope; rope]`` and values. Re-expanded: the latent, plus expanding
+    it (``2 · S · r · H · (nope + v)``) before the naive attention. Absorbed: every head scores
+    ``r + rope`` numbers per token and sums ``r``: more FLOPs per token, far fewer bytes.
+    """
+    c = config
+    S, H, D = context, c.n_head, c.d_model // c.n_head
+    if method in SOFTMAX_METHODS:
+        return 2 * kv_heads(method, H) * D * S * element, 4 * H * S * D
+    naive_flops = 2 * H * S * c.qk_head_dim + 2 * H * S * c.v_head_dim
+    if method == "MLA naive":
+        return H * (c.qk_head_dim + c.v_head_dim) * S * element, naive_flops
+    latent_bytes = c.cache_dim * S * element
+    if method == "MLA re-expanded":
+        expand = 2 * S * c.kv_lora_rank * H * (c.qk_nope_head_dim + c.v_head_dim)
+        return latent_bytes, expand + naive_flops
+    if method == "MLA absorbed":
+        return latent_bytes, 2 * H * S * c.cache_dim + 2 * H * S * c.kv_lora_rank
+    raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+
+
+def softmax_decode(layer: SoftmaxAttention, x: torch.Tensor, cache: LayerKVCache) -> torch.Tensor:
+    """One new token x ``[B, 1, d]`` through chapter 2's layer, reading shared key/value heads
+    in place.
+
+    The layer's own forward repeats each shared head for its group (a copy of the whole cache at
+    every step, which hides GQA's and MQA's smaller reads); here attention maps query head h to
+    key/value head ``h // group`` without a copy (``enable_gqa``). Same output (tested).
+    """
+    B, T, C = x.shape
+    q, k, v = layer.split_heads(x)
+    k, v = cache.update(k, v)
+    y = F.scaled_dot_product_attention(q, k, v, enable_gqa=layer.group_size > 1)
+    return layer.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+def decode_step(
+    method: str, context: int, config: MLAConfig, seed: int = 0
+) -> Callable[[], torch.Tensor]:
+    """A function that decodes one token of ``method`` after ``context`` cached random tokens.
+
+    Each call appends a token to the cache and then cuts the cache back to ``context``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 1, config.d_model, generator=gen)
+    torch.manual_seed(seed)
+    if method in SOFTMAX_METHODS:
+        n_kv = kv_heads(method, config.n_head)
+        layer = SoftmaxAttention(config.d_model, config.n_head, n_kv, bias=False)
+        kv = LayerKVCache(1, n_kv, context + 1, config.d_model // config.n_head)
+        kv.k.normal_(generator=gen)
+        kv.v.normal_(generator=gen)
+
+        def step() -> torch.Tensor:
+            kv.pos = context
+            return softmax_decode(layer, x, kv)
+
+        return torch.no_grad()(step)
+    mla = MultiHeadLatentAttention(config).eval()
+    if method == "MLA naive":
+        expanded = mla.expanded_cache(1, context + 1)
+        expanded.k.normal_(generator=gen)
+        expanded.v.normal_(generator=gen)
+
+        def step() -> torch.Tensor:
+            expanded.pos = context
+            return mla.forward_expanded_cache(x, expanded)
+
+        return torch.no_grad()(step)
+    latent = LatentCache.for_attention(mla, 1, context + 1)
+    latent.update(
+        torch.randn(1, context, config.kv_lora_rank, generator=gen),
+        torch.randn(1, context, config.qk_rope_head_dim, generator=gen),
+    )
+    absorb = method == "MLA absorbed"
+
+    def step() -> torch.Tensor:
+        latent.crop(context)
+        return mla(x, latent, absorb=absorb)
+
+    return torch.no_grad()(step)
+
+
+def measure(
+    contexts: tuple[int, ...] = DEFAULT_CONTEXTS,
+    methods: tuple[str, ...] = METHODS,
+    repeats: int = 3,
+    config: MLAConfig | None = None,
+) -> list[Row]:
+    """Median seconds per decode step of every method at every context (one run, side by side)."""
+    config = bench_mla_config() if config is None else config
+    rows = []
+    for context in contexts:
+        for method in methods:
+            step = decode_step(method, context, config)
+            seconds = time_fn(step, repeats=repeats, warmup=1)
+            rows.append(Row(method, context, seconds, *cost(method, context, config)))
+            del step  # free this cache before the next one is filled
+    return rows
+
+
+def grid(rows: list[Row], value: Callable[[Row], str], title: str) -> str:
+    """One line per context, one column per method."""
+    methods = list(dict.fromkeys(r.method for r in rows))
+    contexts = list(dict.fromkeys(r.context for r in rows))
+    cell = {(r.method, r.context): r for r in rows}
+    width = max(9, *(len(m) + 1 for m in methods))
+    lines = [title, f"{'context':>8}" + "".join(f"{m:>{width}}" for m in methods)]
+    for S in contexts:
+        lines.append(f"{S:>8}" + "".join(f"{value(cell[m, S]):>{width}}" for m in methods))
+    return "\n".join(lines)
+
+
+def format_table(rows: list[Row]) -> str:
+    """Milliseconds per token, cache MiB read per step, and attention FLOPs per cache byte."""
+    parts = [
+        grid(rows, lambda r: f"{r.ms:.2f}", "ms per decode step (one layer, batch 1)"),
+        grid(rows, lambda r: f"{r.cache_bytes / 2**20:.1f}", "cache MiB read per step (fp32)"),
+        grid(rows, lambda r: f"{r.flops_per_byte:.1f}", "attention FLOPs per cache byte"),
+    ]
+    by = {(r.method, r.context): r for r in rows}
+    contexts = list(dict.fromkeys(r.context for r in rows))
+    if all(("MLA re-expanded", S) in by and ("MLA absorbed", S) in by for S in contexts):
+        ratios = ", ".join(
+            f"{S}: {by['MLA re-expanded', S].seconds / by['MLA absorbed', S].seconds:.1f}x"
+            for S in contexts
+        )
+        parts.append(f"absorbed vs re-expanded speed-up by context: {ratios}")
+    return "\n\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m gpt2kimi.bench mla", description=__doc__.strip().splitlines()[0]
+    )
+    parser.add_argument("--contexts", type=int, nargs="+", default=list(DEFAULT_CONTEXTS))
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--threads", type=int, default=0, help="CPU threads for PyTorch (0: PyTorch's default)"
+    )
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = bench_mla_config()
+    print(
+        f"one layer, d_model {config.d_model}, {config.n_head} query heads of "
+        f"{config.qk_nope_head_dim}; GQA {kv_heads('GQA', config.n_head)} key/value heads; MLA "
+        f"latent {config.kv_lora_rank} + rope key {config.qk_rope_head_dim}; fp32, cpu, "
+        f"{torch.get_num_threads()} threads"
+    )
+    rows = measure(tuple(args.contexts), tuple(args.methods), args.repeats, config)
+    print(format_table(rows))
