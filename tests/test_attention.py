@@ -62,7 +62,7 @@ def test_cache_in_chunks_equals_one_pass(n_kv_heads, chunks):
     cache = LayerKVCache(2, n_kv_heads, 10, D // H)
     outs, start = [], 0
     for n in chunks:
-        outs.append(attn(x[:, start : start + n], cache=cache))
+        outs.append(attn(x[:, start : start + n], cache))
         start += n
     assert cache.pos == x.size(1)
     torch.testing.assert_close(torch.cat(outs, dim=1), attn(x))

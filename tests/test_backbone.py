@@ -10,7 +10,7 @@ from gpt2kimi.backbone import (
     BackboneConfig,
     LanguageModel,
     RMSNorm,
-    ShortConv,
+    TokenShift,
     SwiGLU,
     count_parameters,
     residual_projection,
@@ -78,7 +78,7 @@ def test_the_model_is_causal(short_conv, n_positions):
 
 def test_short_conv_reads_only_the_last_kernel_size_tokens():
     torch.manual_seed(0)
-    conv = ShortConv(8, kernel_size=2)
+    conv = TokenShift(8, kernel_size=2)
     x = torch.randn(1, 6, 8)
     y = conv(x)
     w = conv.conv.weight[:, 0, :]  # [C, kernel]: tap 0 reads t-1, tap 1 reads t
@@ -187,3 +187,28 @@ def test_rmsnorm_and_layernorm_options():
     model = LanguageModel(cfg, CausalMean)
     assert isinstance(model.norm_f, nn.LayerNorm)
     assert model(ids()).shape == (2, 10, 50)
+
+
+def test_a_mixer_without_the_state_contract_trains_but_cannot_decode():
+    model = LanguageModel(CFG, CausalMean)
+    assert model(ids()).shape == (2, 10, 50)
+    with pytest.raises(TypeError, match="block 0, CausalMean, cannot decode"):
+        model.new_cache(batch_size=2, max_len=10)
+
+
+def test_decoding_with_a_cache_equals_one_pass_and_counts_positions():
+    torch.manual_seed(0)
+    cfg = BackboneConfig(vocab_size=50, d_model=32, n_head=4, n_positions=12, short_conv=2)
+    model = LanguageModel(cfg, SoftmaxAttention).eval()
+    x = ids(T=12)
+    with torch.no_grad():
+        cache = model.new_cache(batch_size=2, max_len=12)
+        pieces = [model(x[:, :5], cache=cache)] + [
+            model(x[:, t : t + 1], cache=cache) for t in range(5, 12)
+        ]
+        torch.testing.assert_close(torch.cat(pieces, dim=1), model(x), atol=1e-5, rtol=1e-5)
+    assert cache.pos == 12
+    per_layer = 2 * 2 * 12 * 32 * 4 + 2 * 1 * 32 * 4  # k and v of 12 tokens; the shift's last one
+    assert cache.nbytes == cfg.n_layer * per_layer
+    with pytest.raises(ValueError, match="longer than n_positions=12"):
+        model(x[:, :1], cache=cache)

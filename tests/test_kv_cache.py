@@ -168,3 +168,18 @@ def test_benchmark_helpers_on_a_tiny_model():
     assert len(table) == 3 and "speed-up" in table[0]
     with pytest.raises(ValueError, match="positive"):
         measure(model, new_tokens=(0,))
+
+
+def test_converting_shares_or_copies_the_weights():
+    gpt2 = tiny_model(cls=GPT2)
+    shared = GPT2WithCache.from_gpt2(gpt2, copy=False)
+    copied = GPT2WithCache.from_gpt2(gpt2)
+    wte = gpt2.transformer.wte.weight
+    assert shared.transformer.wte.weight.data_ptr() == wte.data_ptr()
+    assert copied.transformer.wte.weight.data_ptr() != wte.data_ptr()
+    assert shared.lm_head.weight is shared.transformer.wte.weight
+    x = prompt(2, 4)
+    assert torch.equal(generate(shared, x, 10), generate(copied, x, 10))
+    with torch.no_grad():
+        copied.transformer.wte.weight.zero_()
+    assert wte.abs().sum() > 0  # the original is untouched by what happens to a copy

@@ -135,7 +135,7 @@ def test_layer_decoding_in_pieces_equals_one_call(options):
         pieces.append(y)
     torch.testing.assert_close(torch.cat(pieces, dim=1), y_full)
     expected_v = 8 + 1 if options["normalize"] else 8  # the normaliser z is one more column
-    assert state.shape == (2, 4, 8, expected_v)
+    assert state.memory.shape == (2, 4, 8, expected_v)
 
 
 @pytest.mark.parametrize("options", LAYER_OPTIONS)

@@ -46,6 +46,7 @@ class SoftmaxAttention(nn.Module):
     """Causal softmax attention with ``n_kv_heads`` key/value heads and an optional KV cache.
 
     ``x [B, T, d_model] → [B, T, d_model]``. ``n_kv_heads=None`` means ``n_head`` (plain MHA).
+    Its state (the token-mixer contract of :mod:`gpt2kimi.backbone`) is a ``LayerKVCache``.
     """
 
     def __init__(
@@ -96,18 +97,39 @@ class SoftmaxAttention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
-        """x [B, T, C] → [B, T, C]; with a cache, x holds the T tokens that follow the cached ones.
+    def init_state(
+        self,
+        batch_size: int,
+        max_len: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> LayerKVCache:
+        """An empty KV cache with room for ``max_len`` tokens of ``batch_size`` sequences."""
+        from gpt2kimi.kv_cache import LayerKVCache  # this chapter's cache (imports this module)
 
-        The new keys and values are written into the cache, and the queries read all cached keys
-        plus the new ones up to their own position. T may be more than 1 (a prompt).
+        return LayerKVCache(
+            batch_size, self.n_kv_heads, max_len, self.head_dim, dtype=dtype, device=device
+        )
+
+    def forward(
+        self, x: torch.Tensor, state: LayerKVCache | None = None, return_state: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, LayerKVCache]:
+        """x [B, T, C] → [B, T, C]; with a cache (``state``), x follows the cached tokens.
+
+        The new keys and values are written into the cache, in place, and the queries read all
+        cached keys plus the new ones up to their own position. T may be more than 1 (a prompt).
+        ``return_state=True`` also returns the cache: the one given, or a new one holding exactly
+        these T tokens.
         """
         B, T, C = x.shape
         q, k, v = self.split_heads(x)
+        if state is None and return_state:
+            state = self.init_state(B, T, dtype=k.dtype, device=k.device)
         n_past = 0
-        if cache is not None:
-            n_past = cache.pos
-            k, v = cache.update(k, v)  # now every key and value so far: [B, n_kv, n_past + T, D]
+        if state is not None:
+            n_past = state.pos
+            k, v = state.update(k, v)  # now every key and value so far: [B, n_kv, n_past + T, D]
         if self.group_size > 1:  # query head h reads key/value head h // group_size
             k = k.repeat_interleave(self.group_size, dim=1)
             v = v.repeat_interleave(self.group_size, dim=1)
@@ -120,4 +142,5 @@ class SoftmaxAttention(nn.Module):
             mask = cached_causal_mask(T, n_past, device=x.device)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads
-        return self.c_proj(y)
+        y = self.c_proj(y)
+        return (y, state) if return_state else y

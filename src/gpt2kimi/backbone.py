@@ -12,19 +12,50 @@ This module never imports a chapter. It receives its parts as constructors:
 The names (``"softmax"``, ``"linear"``, ...) live in :mod:`gpt2kimi.zoo`, the only module that
 imports every chapter.
 
+**The state contract.** Every token mixer of the book remembers earlier tokens in its own state
+object, and they all take it the same way::
+
+    y = mixer(x)                                        # whole sequences (training, scoring)
+    y, state = mixer(x, state=None, return_state=True)  # x starts a sequence; its memory after x
+    y, state = mixer(x_next, state, return_state=True)  # x_next continues it
+
+- ``forward(x, state=None, return_state=False)``: ``state=None`` means that x starts its
+  sequences; otherwise x holds the tokens that follow the ones ``state`` remembers. With
+  ``return_state=True`` it returns ``(y, state)``, the memory after x. Feeding a sequence in
+  pieces (a prompt, then one token at a time), passing each returned state to the next call,
+  gives the outputs of one call on the whole sequence.
+- The state is the mixer's own object: a :class:`gpt2kimi.kv_cache.LayerKVCache` (softmax
+  attention), a fixed-size recurrent memory (linear attention, the DeltaNet family), a latent
+  cache (MLA). Whatever it holds, it has ``nbytes``: the bytes it takes for this layer.
+- A mixer may update the state it is given in place (a pre-allocated KV cache does, so a step
+  copies nothing) and return that same object: callers always continue with the returned one.
+- A mixer whose state must be allocated up front for the longest sequence (a KV cache) also has
+  ``init_state(batch_size, max_len, *, dtype, device)``, returning an empty state with room for
+  ``max_len`` tokens. Without it, a state starts as None (a recurrent memory of zeros). Called
+  with ``state=None, return_state=True``, such a mixer returns a state holding exactly x's tokens.
+
+:class:`LanguageModel` threads the states: :meth:`LanguageModel.new_cache` makes a
+:class:`ModelCache` (one :class:`BlockState` per block, each holding its mixer's state, and the
+number of tokens seen), and ``model(idx, cache=cache)`` runs idx after the cached tokens, storing
+every block's new state back into the cache. ``gpt2kimi.kv_cache.generate`` needs nothing else
+(``model.new_cache`` and ``model(idx, cache=cache)``), so one ``generate`` decodes every mixer
+and every mix of mixers, chapter 2's GPT-2 included.
+
 Positions: by default there is no positional embedding at all (NoPE), as in the MLA layers of
 Kimi Linear: a causal mask already tells a token which tokens came before it, and mixers with a
 short convolution (DeltaNet and its successors) see local order directly. Set
-``n_positions`` to add GPT-2's learned absolute positions instead, or ``short_conv`` to put the
-same short causal convolution (:class:`ShortConv`) in front of every mixer, which gives every
-token its predecessors whatever the mixer (the MQAR experiments use it).
+``n_positions`` to add GPT-2's learned absolute positions instead, or ``short_conv`` to put a
+token shift (:class:`TokenShift`, a short causal convolution) in front of every mixer, which
+gives every token its predecessors whatever the mixer (the MQAR experiments use it).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -119,53 +150,118 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class ShortConv(nn.Module):
-    """``h + conv(h)``: a depthwise causal convolution over the last ``kernel_size`` tokens.
+class CausalConv1d(nn.Conv1d):
+    """A depthwise causal convolution over time that can continue where it stopped.
 
-    Each channel adds a learned mix of its own recent values, so every token can see its
-    predecessor without positions (the token shift of RWKV, the short convolution of H3, Based
-    and fla's layers). x [B, T, C] → [B, T, C]; token t reads tokens t − kernel_size + 1 … t.
+    Each channel mixes its own last ``kernel_size`` inputs: token t reads tokens
+    t − kernel_size + 1 … t. ``forward(x [B, T, C], tail)`` returns ``(y [B, T, C], tail)``, where
+    ``tail`` [B, kernel_size − 1, C] holds the last inputs seen (None: zeros before the first
+    token), so a sequence fed in pieces gives the outputs of one call.
+    """
+
+    def __init__(self, channels: int, kernel_size: int) -> None:
+        if kernel_size < 1:
+            raise ValueError(f"kernel_size must be at least 1, got {kernel_size}")
+        super().__init__(channels, channels, kernel_size, groups=channels, bias=False)
+
+    def forward(self, x: Tensor, tail: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        n_past = self.kernel_size[0] - 1
+        if tail is None:  # a fresh sequence: the past is zeros (causal left padding)
+            tail = x.new_zeros(x.size(0), n_past, x.size(2))
+        x = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, n_past + T, C]
+        y = super().forward(x.transpose(1, 2)).transpose(1, 2)  # no future input is seen
+        return y, x[:, x.size(1) - n_past :]
+
+
+class TokenShift(nn.Module):
+    """``h + conv(h)``: a residual causal convolution over each channel's last few values.
+
+    Each channel adds a learned mix of its own last ``kernel_size`` values, so every token can see
+    its predecessor without positions (the token shift of RWKV, the short convolution of H3, Based
+    and fla's layers). x [B, T, C] → [B, T, C]. Its state (for decoding, as a token mixer's) is
+    the last ``kernel_size − 1`` inputs.
     """
 
     def __init__(self, d_model: int, kernel_size: int) -> None:
         super().__init__()
-        if kernel_size < 1:
-            raise ValueError(f"kernel_size must be at least 1, got {kernel_size}")
-        self.kernel_size = kernel_size
-        self.conv = nn.Conv1d(d_model, d_model, kernel_size, groups=d_model, bias=False)
+        self.conv = CausalConv1d(d_model, kernel_size)
 
-    def forward(self, x: Tensor) -> Tensor:
-        h = F.pad(x.transpose(1, 2), (self.kernel_size - 1, 0))  # zeros before the first token
-        return x + self.conv(h).transpose(1, 2)
+    def forward(
+        self, x: Tensor, state: Tensor | None = None, return_state: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        y, state = self.conv(x, state)
+        return (x + y, state) if return_state else x + y
+
+
+class BlockState(NamedTuple):
+    """What one block remembers while decoding: its mixer's state and its token shift's."""
+
+    mixer: Any = None  # the token mixer's own state object (None: a fresh sequence)
+    shift: Tensor | None = None  # the token shift's last inputs, when the block has one
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self if part is not None)
 
 
 class Block(nn.Module):
     """A pre-norm block: ``x + mixer(norm(x))`` mixes tokens, ``x + ffn(norm(x))`` each token.
 
-    With ``config.short_conv`` the mixer reads ``ShortConv(norm(x))`` instead of ``norm(x)``.
+    With ``config.short_conv`` the mixer reads ``TokenShift(norm(x))`` instead of ``norm(x)``.
+    ``state`` and ``return_state`` work as a token mixer's (module notes), with a
+    :class:`BlockState`.
     """
 
     def __init__(self, config: BackboneConfig, mixer: nn.Module, ffn: nn.Module) -> None:
         super().__init__()
         make_norm = NORMS[config.norm]
         self.norm_1 = make_norm(config.d_model, config.norm_eps)
-        self.shift = ShortConv(config.d_model, config.short_conv) if config.short_conv else None
+        self.shift = TokenShift(config.d_model, config.short_conv) if config.short_conv else None
         self.mixer = mixer
         self.norm_2 = make_norm(config.d_model, config.norm_eps)
         self.ffn = ffn
         self.drop = nn.Dropout(config.dropout)
+        check_mixer_output(mixer, config.d_model)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, state: BlockState | None = None, return_state: bool = False
+    ) -> Tensor | tuple[Tensor, BlockState]:
         h = self.norm_1(x)
-        mixed = self.mixer(h if self.shift is None else self.shift(h))
-        if not isinstance(mixed, Tensor) or mixed.shape != x.shape:
-            got = tuple(mixed.shape) if isinstance(mixed, Tensor) else type(mixed).__name__
-            raise ValueError(
-                f"the token mixer {type(self.mixer).__name__} must map [B, T, C] = "
-                f"{tuple(x.shape)} to a tensor of the same shape, got {got}"
-            )
+        if return_state:  # decoding: every part reads and returns its state
+            mixer_state, shift_state = BlockState() if state is None else state
+            if self.shift is not None:
+                h, shift_state = self.shift(h, shift_state, return_state=True)
+            mixed, mixer_state = self.mixer(h, mixer_state, return_state=True)
+        else:
+            mixed = self.mixer(h if self.shift is None else self.shift(h))
         x = x + self.drop(mixed)
-        return x + self.drop(self.ffn(self.norm_2(x)))
+        x = x + self.drop(self.ffn(self.norm_2(x)))
+        return (x, BlockState(mixer_state, shift_state)) if return_state else x
+
+
+def check_mixer_output(mixer: nn.Module, d_model: int) -> None:
+    """Run ``mixer`` once on two tokens and raise a clear error unless it keeps x's shape.
+
+    Done once, when a block is built, so that a mixer of the wrong width fails there, naming
+    itself, instead of deep inside a forward pass.
+    """
+    x = next(mixer.parameters(), torch.zeros(())).new_zeros(1, 2, d_model)  # its dtype, device
+    was_training = mixer.training
+    with torch.no_grad():
+        mixed = mixer.eval()(x)
+    mixer.train(was_training)
+    if not isinstance(mixed, Tensor) or mixed.shape != x.shape:
+        got = tuple(mixed.shape) if isinstance(mixed, Tensor) else type(mixed).__name__
+        raise ValueError(
+            f"the token mixer {type(mixer).__name__} must map [B, T, C] = "
+            f"{tuple(x.shape)} to a tensor of the same shape, got {got}"
+        )
+
+
+def takes_state(mixer: nn.Module) -> bool:
+    """Whether ``mixer.forward`` follows the state contract: ``(x, state, return_state=...)``."""
+    params = inspect.signature(mixer.forward).parameters
+    return len(params) >= 2 and "return_state" in params
 
 
 def per_layer(parts, n_layer: int, what: str) -> list:
@@ -185,11 +281,29 @@ def per_layer(parts, n_layer: int, what: str) -> list:
     return list(parts)
 
 
+@dataclass
+class ModelCache:
+    """What a :class:`LanguageModel` remembers of a batch of sequences between calls.
+
+    ``layers`` holds one :class:`BlockState` per block; ``pos`` counts the tokens seen so far
+    (the position of the next one). ``model(idx, cache=cache)`` updates both.
+    """
+
+    layers: list[BlockState]
+    pos: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by every layer's state (a KV cache counts its whole buffer)."""
+        return sum(layer.nbytes for layer in self.layers)
+
+
 class LanguageModel(nn.Module):
     """Token embedding (+ optional learned positions), pre-norm blocks, final norm, tied head.
 
     ``model(idx)`` returns logits [B, T, vocab]; ``model(idx, targets)`` returns
     ``(logits, loss)`` with targets equal to -100 ignored, like :class:`gpt2kimi.gpt2.GPT2`.
+    ``model(idx, cache=cache)`` continues the sequences a :class:`ModelCache` holds.
     """
 
     def __init__(
@@ -233,33 +347,76 @@ class LanguageModel(nn.Module):
                 if proj is not None:
                     nn.init.normal_(proj.weight, mean=0.0, std=std)
 
-    def check_input(self, idx: Tensor) -> None:
-        """Raise a clear error for ids of the wrong shape, out of range, or too long."""
+    def new_cache(self, batch_size: int, max_len: int) -> ModelCache:
+        """An empty cache for decoding ``batch_size`` sequences of up to ``max_len`` tokens.
+
+        A mixer with ``init_state`` allocates its state now (a KV cache with room for ``max_len``
+        tokens, in the model's dtype and device); the others start from None.
+        """
+        for i, block in enumerate(self.blocks):
+            if not takes_state(block.mixer):
+                raise TypeError(
+                    f"the token mixer of block {i}, {type(block.mixer).__name__}, cannot decode: "
+                    "its forward must take (x, state=None, return_state=False) (gpt2kimi.backbone)"
+                )
+        weight = self.embed.weight
+        return ModelCache(
+            [
+                BlockState(
+                    block.mixer.init_state(
+                        batch_size, max_len, dtype=weight.dtype, device=weight.device
+                    )
+                    if hasattr(block.mixer, "init_state")
+                    else None
+                )
+                for block in self.blocks
+            ]
+        )
+
+    def check_input(self, idx: Tensor, start: int = 0) -> None:
+        """Raise a clear error for ids of the wrong shape, out of range, or too long.
+
+        ``start`` is the position of idx's first token. Ids that continue a sequence
+        (``start > 0``) are not range-checked: that check waits for the device (a sync at every
+        decoding step), the prompt had it, and generated ids lie in range by construction.
+        """
         if idx.dim() != 2:
             raise ValueError(f"expected token ids of shape [B, T], got {tuple(idx.shape)}")
         if idx.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"token ids must be integers, got {idx.dtype}")
         n_pos = self.config.n_positions
-        if n_pos is not None and idx.size(1) > n_pos:
+        if n_pos is not None and start + idx.size(1) > n_pos:
             raise ValueError(
-                f"sequence of {idx.size(1)} tokens is longer than n_positions={n_pos}, "
+                f"sequence of {start + idx.size(1)} tokens is longer than n_positions={n_pos}, "
                 "the number of learned positions"
             )
-        if idx.numel() and (idx.min() < 0 or idx.max() >= self.config.vocab_size):
+        if start == 0 and idx.numel() and (idx.min() < 0 or idx.max() >= self.config.vocab_size):
             raise ValueError(
                 f"token ids must lie in [0, {self.config.vocab_size}), "
                 f"got min {idx.min().item()} and max {idx.max().item()}"
             )
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        """idx [B, T] → logits [B, T, vocab]; with targets [B, T], also the mean loss."""
-        self.check_input(idx)
+    def forward(
+        self, idx: Tensor, targets: Tensor | None = None, *, cache: ModelCache | None = None
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """idx [B, T] → logits [B, T, vocab]; with targets [B, T], also the mean loss.
+
+        With a cache (:meth:`new_cache`), idx holds the T tokens that follow the ``cache.pos``
+        cached ones; every block's state and ``cache.pos`` are updated in place.
+        """
+        start = 0 if cache is None else cache.pos
+        self.check_input(idx, start)
         x = self.embed(idx)
         if self.pos_embed is not None:
-            x = x + self.pos_embed(torch.arange(idx.size(1), device=idx.device))
+            x = x + self.pos_embed(torch.arange(start, start + idx.size(1), device=idx.device))
         x = self.drop(x)
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            if cache is None:
+                x = block(x)
+            else:  # thread the states: each block reads its own and leaves the new one
+                x, cache.layers[i] = block(x, cache.layers[i], return_state=True)
+        if cache is not None:
+            cache.pos += idx.size(1)
         logits = self.lm_head(self.norm_f(x))
         if targets is None:
             return logits

@@ -172,6 +172,10 @@ class DeltaNetState(NamedTuple):
     conv_k: Tensor
     conv_v: Tensor
 
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self)
+
 
 # ----------------------------------------------------------------------------------------------
 # the layer

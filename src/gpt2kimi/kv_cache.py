@@ -11,7 +11,9 @@ can be computed once and kept. With a cache, each step processes one position: l
 - :class:`GPT2WithCache`: chapter 1's GPT-2, unchanged except that its attention is
   :class:`gpt2kimi.attention.SoftmaxAttention` (optionally with fewer key/value heads) and its
   forward accepts a cache. Same parameter names, so a trained ``GPT2`` converts losslessly.
-- :func:`generate`: greedy or sampled generation with or without the cache.
+- :func:`generate`: greedy or sampled generation with or without the cache, for this chapter's
+  GPT-2 and for every model of the later chapters (any model with ``new_cache`` whose forward
+  takes ``cache=``: see the state contract in :mod:`gpt2kimi.backbone`).
 
 The price: the cache grows by ``2 · layers · n_kv_heads · head_dim`` numbers with every token of
 every sequence (``gpt2kimi.accounting`` computes this for real models).
@@ -86,7 +88,8 @@ class LayerKVCache:
         expected = (*self.k.shape[:2], k.size(2), self.k.size(3))
         if tuple(k.shape) != expected or tuple(v.shape) != expected:
             raise ValueError(
-                f"expected k and v of shape {expected} (batch, kv heads, new tokens, head dim), "
+                f"expected k and v of shape {expected} (batch, kv heads, new tokens, head dim: "
+                f"the cache was allocated for batch size {self.k.size(0)}), "
                 f"got {tuple(k.shape)} and {tuple(v.shape)}"
             )
         start, end = self.pos, self.pos + k.size(2)
@@ -201,13 +204,52 @@ class GPT2WithCache(GPT2):
             block.attn = attn
 
     @classmethod
-    def from_gpt2(cls, model: GPT2) -> GPT2WithCache:
-        """A copy of a (trained) GPT2 that can use a cache; the original is left untouched."""
-        weight = model.transformer.wte.weight
-        n_kv_heads = getattr(model, "n_kv_heads", None)  # set when model is a GPT2WithCache
-        new = cls(model.config, n_kv_heads).to(device=weight.device, dtype=weight.dtype)
-        new.load_state_dict(model.state_dict())
+    def from_gpt2(cls, model: GPT2, *, copy: bool = True) -> GPT2WithCache:
+        """``model`` (a trained GPT2) as a GPT2WithCache: the same weights, attention with a cache.
+
+        ``copy=True`` gives the new model its own copy of the weights (the original is left
+        untouched whatever happens to the copy); ``copy=False`` shares the very same tensors,
+        which costs nothing (:func:`generate` converts that way). Either way the model is built
+        on the meta device, so no time goes into initialising weights that are then replaced.
+        """
+        with torch.device("meta"):
+            new = cls(model.config, getattr(model, "n_kv_heads", None))
+        state = model.state_dict()
+        if copy:
+            state = {name: tensor.clone() for name, tensor in state.items()}
+        new.load_state_dict(state, assign=True)
+        new.lm_head.weight = new.transformer.wte.weight  # tie again: assign set two tensors
         return new.train(model.training)
+
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+        """An empty :class:`KVCache` for this model (what :func:`generate` asks every model for)."""
+        return KVCache.for_model(self, batch_size, max_len)
+
+    def check_input(self, idx: torch.Tensor, cache: KVCache | None = None) -> None:
+        """Chapter 1's checks of ``idx`` (shape, ids in range, length); with a cache, also that
+        the cache fits the model and the batch, and the length counts the cached tokens.
+
+        Ids that continue a cache are not range-checked: the check waits for the device (a sync
+        at every decoding step), the prompt had it, and generated ids lie in range by
+        construction.
+        """
+        if cache is None or cache.pos == 0:
+            super().check_input(idx)
+        elif cache.pos + idx.size(1) > self.config.block_size:
+            raise ValueError(
+                f"sequence of {cache.pos + idx.size(1)} tokens is longer than block_size="
+                f"{self.config.block_size}, the number of learned positions"
+            )
+        if cache is not None:
+            if len(cache.layers) != len(self.transformer.h):
+                raise ValueError(
+                    f"cache has {len(cache.layers)} layers, model has {len(self.transformer.h)}"
+                )
+            if cache.layers[0].k.size(0) != idx.size(0):
+                raise ValueError(
+                    f"cache was allocated for batch size {cache.layers[0].k.size(0)}, "
+                    f"got {idx.size(0)} sequences"
+                )
 
     def forward(
         self,
@@ -221,24 +263,14 @@ class GPT2WithCache(GPT2):
         With a cache, the T tokens are appended to it and sit at positions
         ``cache.pos … cache.pos + T - 1``.
         """
+        self.check_input(idx, cache)
         start = 0 if cache is None else cache.pos
-        self.check_input(idx, start)  # also rejects going past block_size
-        if cache is not None:
-            if len(cache.layers) != len(self.transformer.h):
-                raise ValueError(
-                    f"cache has {len(cache.layers)} layers, model has {len(self.transformer.h)}"
-                )
-            if cache.layers[0].k.size(0) != idx.size(0):
-                raise ValueError(
-                    f"cache was allocated for batch size {cache.layers[0].k.size(0)}, "
-                    f"got {idx.size(0)} sequences"
-                )
         pos = torch.arange(start, start + idx.size(1), device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for i, block in enumerate(self.transformer.h):
             layer_cache = None if cache is None else cache.layers[i]
-            # chapter 1's Block.forward, with the cache passed to the attention
-            x = x + block.attn(block.ln_1(x), cache=layer_cache)
+            # chapter 1's Block.forward, with the layer's cache (filled in place) for the attention
+            x = x + block.attn(block.ln_1(x), layer_cache)
             x = x + block.mlp(block.ln_2(x))
         logits = self.lm_head(self.transformer.ln_f(x))
         if targets is None:
@@ -247,9 +279,30 @@ class GPT2WithCache(GPT2):
         return logits, loss
 
 
+def check_generate_args(model: torch.nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int):
+    """Raise a clear error before :func:`generate` starts: prompts must be ``[B, T]`` with
+    T >= 1, ``max_new_tokens`` >= 0, and the whole sequence must fit the model's learned
+    positions (GPT-2's ``block_size``; a backbone's ``n_positions``, if it has any)."""
+    if prompt_ids.dim() != 2 or prompt_ids.size(1) < 1:
+        raise ValueError(
+            f"expected prompt ids of shape [B, T] with T >= 1 (prompts of one length), "
+            f"got {tuple(prompt_ids.shape)}"
+        )
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    T, total = prompt_ids.size(1), prompt_ids.size(1) + max_new_tokens
+    name = "block_size" if hasattr(model.config, "block_size") else "n_positions"
+    limit = getattr(model.config, name)
+    if limit is not None and total > limit:
+        raise ValueError(
+            f"prompt of {T} tokens + {max_new_tokens} new tokens = {total} is longer than "
+            f"{name}={limit}, the number of learned positions"
+        )
+
+
 @torch.no_grad()
 def generate(
-    model: GPT2,
+    model: torch.nn.Module,
     prompt_ids: torch.Tensor,
     max_new_tokens: int,
     *,
@@ -261,31 +314,20 @@ def generate(
     """Append ``max_new_tokens`` tokens to prompt_ids ``[B, T_prompt]``; return
     ``[B, T_prompt + max_new_tokens]``. Temperature 0 (the default) is greedy.
 
-    Every prompt in the batch has the same length (one tensor). The whole sequence must fit in
-    ``block_size``; unlike chapter 1's ``GPT2.generate``, nothing is cropped, so greedy output is
-    the same with and without the cache.
+    Every prompt in the batch has the same length (one tensor). The whole sequence must fit the
+    model's positions; unlike chapter 1's ``GPT2.generate``, nothing is cropped, so greedy output
+    is the same with and without the cache.
 
     - ``use_cache=False``: every step runs the whole sequence so far through the model, as
-      chapter 1 does. Works with a plain ``GPT2``.
-    - ``use_cache=True``: the prompt fills a pre-allocated :class:`KVCache` in one pass, then each
-      step runs one token. Needs a :class:`GPT2WithCache`; a plain ``GPT2`` is converted with
-      :meth:`GPT2WithCache.from_gpt2` (a copy of its weights, made at every call, so convert once
-      yourself when generating repeatedly).
+      chapter 1 does.
+    - ``use_cache=True``: ``model.new_cache`` holds every layer's memory (a pre-allocated
+      :class:`KVCache` here; later chapters' recurrent states, or a mix), the prompt fills it in
+      one pass, then each step runs one token. A plain ``GPT2`` is used as a
+      :class:`GPT2WithCache` sharing its weights.
     """
-    if prompt_ids.dim() != 2 or prompt_ids.size(1) < 1:
-        raise ValueError(
-            f"expected prompt ids of shape [B, T] with T >= 1 (prompts of one length), "
-            f"got {tuple(prompt_ids.shape)}"
-        )
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    check_generate_args(model, prompt_ids, max_new_tokens)
     B, T = prompt_ids.shape
     total = T + max_new_tokens
-    if total > model.config.block_size:
-        raise ValueError(
-            f"prompt of {T} tokens + {max_new_tokens} new tokens = {total} is longer than "
-            f"block_size={model.config.block_size}, the number of learned positions"
-        )
     ids = prompt_ids.new_empty(B, total)
     ids[:, :T] = prompt_ids
     if max_new_tokens == 0:
@@ -295,9 +337,9 @@ def generate(
             logits = model(ids[:, :t])[:, -1, :]  # the whole prefix, again
             ids[:, t : t + 1] = sample_next_token(logits, temperature, top_k, generator)
         return ids
-    if not isinstance(model, GPT2WithCache):
-        model = GPT2WithCache.from_gpt2(model)
-    cache = KVCache.for_model(model, B, max_len=total)
+    if type(model) is GPT2:  # chapter 1's model: the same weights, attention with a cache
+        model = GPT2WithCache.from_gpt2(model, copy=False)
+    cache = model.new_cache(B, total)
     logits = model(prompt_ids, cache=cache)[:, -1, :]  # prefill: the prompt in one pass
     for t in range(T, total):
         ids[:, t : t + 1] = sample_next_token(logits, temperature, top_k, generator)

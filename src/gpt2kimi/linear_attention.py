@@ -19,6 +19,8 @@ chapters (``deltanet``, ``gated_deltanet``, ``kda``).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -230,15 +232,27 @@ def elu1(x: Tensor) -> Tensor:
 FEATURE_MAPS = {"identity": lambda x: x, "elu1": elu1}
 
 
+class LinearAttentionState(NamedTuple):
+    """What linear attention carries from one piece of a sequence to the next: its memory."""
+
+    memory: Tensor  # S: [B, H, K, V] (V + 1 columns with the normaliser z)
+
+    @property
+    def nbytes(self) -> int:
+        return self.memory.nbytes
+
+
 class LinearAttention(nn.Module):
     """Causal multi-head linear attention: a token mixer with a fixed [K, V] memory per head.
 
     ``o_t = S_tᵀ φ(q_t)`` with ``S_t = Σ_{j<=t} φ(k_j) v_jᵀ``; with ``normalize=True``,
     ``o_t = S_tᵀ φ(q_t) / (z_tᵀ φ(q_t) + eps)`` where ``z_t = Σ_{j<=t} φ(k_j)``.
 
-    Stepwise decoding: ``forward(x, state, return_state=True)`` returns ``(y, state)``; the state
-    is the memory tensor [B, H, K, V] (``[B, H, K, V + 1]`` with ``normalize``: the last column is
-    z). Feeding a sequence in pieces, passing each piece's state to the next, equals one call.
+    Stepwise decoding (the state contract of :mod:`gpt2kimi.backbone`):
+    ``forward(x, state, return_state=True)`` returns ``(y, state)``, a
+    :class:`LinearAttentionState` whose memory is [B, H, K, V] (``[B, H, K, V + 1]`` with
+    ``normalize``: the last column is z). Feeding a sequence in pieces, passing each piece's state
+    to the next, equals one call.
     """
 
     def __init__(
@@ -266,9 +280,9 @@ class LinearAttention(nn.Module):
         self.o_proj = nn.Linear(d_model, d_model, bias=False)
 
     def forward(
-        self, x: Tensor, state: Tensor | None = None, return_state: bool = False
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """x: [B, T, d_model] -> y: [B, T, d_model] (and the memory, if ``return_state``)."""
+        self, x: Tensor, state: LinearAttentionState | None = None, return_state: bool = False
+    ) -> Tensor | tuple[Tensor, LinearAttentionState]:
+        """x: [B, T, d_model] -> y: [B, T, d_model] (and the new state, if ``return_state``)."""
         B, T, d_model = x.shape
         phi = FEATURE_MAPS[self.feature_map]
         q = phi(self.q_proj(x).view(B, T, self.n_head, self.head_dim))
@@ -280,10 +294,11 @@ class LinearAttention(nn.Module):
             v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
         # the normaliser cancels any scale, so only scale when there is none
         scale = 1.0 if self.normalize else None
-        o, state = linear_attention_chunk(
-            q, k, v, scale=scale, initial_state=state, chunk_size=self.chunk_size
+        memory = None if state is None else state.memory
+        o, memory = linear_attention_chunk(
+            q, k, v, scale=scale, initial_state=memory, chunk_size=self.chunk_size
         )
         if self.normalize:
             o = o[..., :-1] / (o[..., -1:] + self.eps)
         y = self.o_proj(o.reshape(B, T, d_model))
-        return (y, state) if return_state else y
+        return (y, LinearAttentionState(memory)) if return_state else y
