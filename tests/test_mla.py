@@ -1,5 +1,7 @@
 """MLA: equal to transformers' DeepSeek-V3 and Kimi Linear attention; three decode paths equal."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import DeepseekV3Config, KimiLinearConfig
@@ -9,6 +11,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 )
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention
 
+from gpt2kimi.accounting import attention_param_count
 from gpt2kimi.backbone import count_parameters
 from gpt2kimi.kv_cache import CacheOverflowError
 from gpt2kimi.mla import (
@@ -275,7 +278,11 @@ def test_nope_allows_no_rope_key_at_all():
 def test_for_width_and_parameter_count():
     config = MLAConfig.for_width(64, 2)
     assert (config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim) == (32, 16, 32)
-    assert config.kv_lora_rank == 32 and not config.rope
+    assert not config.rope
+    # the widest latent within the parameters of chapter 2's multi-head attention of this width
+    mha = attention_param_count(64, 2, 2)
+    assert mla_param_count(config) <= mha < mla_param_count(replace(config, kv_lora_rank=28))
+    assert config.kv_lora_rank == 27
     assert MLAConfig.for_width(64, 2, rope=True).rope
     with pytest.raises(ValueError, match="not divisible by n_head=3"):
         MLAConfig.for_width(64, 3)

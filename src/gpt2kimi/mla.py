@@ -102,10 +102,15 @@ class MLAConfig:
         qk_rope_head_dim: int | None = None,
         **kwargs,
     ) -> MLAConfig:
-        """DeepSeek-V3's proportions at width ``d_model``: head width ``d_model // n_head`` for
-        the nope part and the values, about half of it for the shared rope key, and a latent of
-        ``d_model // 2`` unless given. NoPE (``rope=False``) unless ``rope=True`` is passed."""
-        if d_model % n_head != 0:
+        """DeepSeek-V3's proportions at width ``d_model``, as a drop-in for softmax attention.
+
+        Each head's nope part and value are ``d_model // n_head`` wide and the shared rope key
+        about half that (DeepSeek-V3: 128 and 64). Unless given, the latent is the widest that
+        keeps the layer within the parameters of multi-head attention of the same width
+        (``4 d² + 4 d``, chapter 2's layer with biases), so that swapping one for the other
+        holds the parameter budget. NoPE (``rope=False``) unless ``rope=True`` is passed.
+        """
+        if d_model < 1 or n_head < 1 or d_model % n_head != 0:
             raise ValueError(
                 f"d_model={d_model} is not divisible by n_head={n_head}: "
                 "each head needs an equal share of the model width"
@@ -113,15 +118,25 @@ class MLAConfig:
         head_dim = d_model // n_head
         # about half a head, even so that RoPE can rotate it in pairs
         rope_dim = max(2, 2 * (head_dim // 4)) if qk_rope_head_dim is None else qk_rope_head_dim
-        return cls(
+        widths = dict(
             d_model=d_model,
             n_head=n_head,
-            kv_lora_rank=d_model // 2 if kv_lora_rank is None else kv_lora_rank,
             qk_nope_head_dim=head_dim,
             qk_rope_head_dim=rope_dim,
             v_head_dim=head_dim,
             **{"rope": False, **kwargs},
         )
+        if kv_lora_rank is None:
+            per_latent_dim = d_model + 1 + n_head * 2 * head_dim  # kv_a row, norm gain, kv_b col
+            without_latent = mla_param_count(cls(kv_lora_rank=1, **widths)) - per_latent_dim
+            budget = 4 * d_model * d_model + 4 * d_model
+            kv_lora_rank = (budget - without_latent) // per_latent_dim
+            if kv_lora_rank < 1:
+                raise ValueError(
+                    f"no latent fits the parameter budget of attention at d_model={d_model}; "
+                    "pass kv_lora_rank"
+                )
+        return cls(kv_lora_rank=kv_lora_rank, **widths)
 
     @classmethod
     def from_transformers(cls, config, rope: bool | None = None) -> MLAConfig:
