@@ -169,32 +169,41 @@ def limit_to_best_groups(choice: Tensor, n_group: int, topk_group: int) -> Tenso
 # experts and dispatch
 
 
-def swiglu_expert(x: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
-    """One expert: x [n, d], gate_up [2I, d] (gate rows, then up rows), down [d, I] → [n, d]."""
+def swiglu_expert(x: Tensor, gate_up: Tensor, down: Tensor, weight: Tensor | None = None) -> Tensor:
+    """One expert: x [n, d], gate_up [2I, d] (gate rows, then up rows), down [d, I] → [n, d].
+
+    With ``weight [n, 1]`` the output is scaled per row, applied to the I-wide hidden
+    activation before ``down`` (the same by linearity, and cheaper when I < d).
+    """
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+    hidden = F.silu(gate) * up
+    return F.linear(hidden if weight is None else hidden * weight, down)
 
 
 def dispatch(x: Tensor, routing: Routing, gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:
     """Σ_j w_j · expert_{e_j}(x) for every token, with one matrix product per expert hit.
 
     x [N, d] → [N, d]. The N·k (token, expert) pairs are sorted by expert, so each expert's
-    tokens form one contiguous slice; each expert runs once on its slice, the outputs are
-    weighted and added back to their tokens with ``index_add_``. An expert that received no
-    token costs nothing. The Python loop runs over experts, never over tokens.
+    tokens form one contiguous slice of the sorted list; each expert runs once on its slice and
+    adds its weighted outputs back to their tokens with ``index_add_``. An expert that received
+    no token costs nothing. The Python loop runs over experts, never over tokens.
     """
-    if x.shape[0] == 0:
-        return torch.zeros_like(x)
     k = routing.experts.shape[1]
     order = routing.experts.flatten().argsort(stable=True)  # pairs grouped by expert
-    token = order // k  # which token each sorted pair belongs to
-    counts = routing.tokens_per_expert.tolist()
-    outputs = []
-    for e, x_e in enumerate(x[token].split(counts)):
-        if counts[e]:
-            outputs.append(swiglu_expert(x_e, gate_up_proj[e], down_proj[e]))
-    y = torch.cat(outputs) * routing.weights.flatten()[order, None]
-    return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+    token = order // k  # the token of each sorted pair
+    weight = routing.weights.flatten()[order, None].to(x.dtype)  # [N·k, 1]
+    out = torch.zeros_like(x)
+    start = 0
+    for e, count in enumerate(routing.tokens_per_expert.tolist()):
+        if count == 0:
+            continue  # an idle expert: no work at all
+        rows = slice(start, start + count)
+        x_e = x.index_select(0, token[rows])  # this expert's tokens, gathered
+        out.index_add_(
+            0, token[rows], swiglu_expert(x_e, gate_up_proj[e], down_proj[e], weight[rows])
+        )
+        start += count
+    return out
 
 
 class Experts(nn.Module):
