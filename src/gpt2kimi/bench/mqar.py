@@ -15,6 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
+from gpt2kimi.bench.machine import machine_info
 from gpt2kimi.mqar import MQARTraining
 from gpt2kimi.progress import say
 from gpt2kimi.zoo import MIXERS, MQAR_SEQ_LEN, MQAR_VOCAB, mean_accuracy, mqar_sweep
@@ -33,6 +34,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=MQAR_VOCAB)
     p.add_argument("--seq-len", type=int, default=MQAR_SEQ_LEN)
     p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
     p.add_argument("--jobs", type=int, default=2, help="parallel single-threaded runs")
     p.add_argument("--out", default=DEFAULT_OUT, help="JSON results file ('-': do not write)")
     return p.parse_args(argv)
@@ -52,7 +54,7 @@ def format_table(sweep: dict) -> str:
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
-    training = MQARTraining(steps=args.steps)
+    training = MQARTraining(steps=args.steps, lr=args.lr)
     sweep = mqar_sweep(
         args.mixers,
         args.pairs,
@@ -66,6 +68,7 @@ def main(argv: list[str]) -> None:
             f"accuracy {r['accuracy']:.3f} ({r['seconds']:.0f} s)"
         ),
     )
+    sweep["settings"]["machine"] = machine_info(args.jobs)
     print(format_table(sweep))
     if args.out != "-":
         out = Path(args.out)
