@@ -3,13 +3,22 @@
 Needs ``_build/html`` (``make book`` or ``make book-check``), Debian's ``chromium`` and
 ``chromium-driver``. Skipped when any is missing, unless ``REQUIRE_BROWSER=1`` (set by CI), which
 turns the skip into a failure.
+
+Besides "it loads offline", the tests check what a reader sees in a 1280 px wide window: no raw
+TeX, Markdown tables or undecodable bytes left in the text, source captions that name the
+library's own files, figures shown at a legible scale, and code, printed output, display math
+and tables that fit the column without a sideways scrollbar. ``KNOWN`` lists the pages that still
+fail a check, each as a strict xfail: fixing the page flips the test to XPASS, which fails the
+run until the entry is removed.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 import pytest
 
@@ -19,6 +28,31 @@ NOTEBOOKS = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb
 CHAPTERS = [f"notebooks/{name}.html" for name in NOTEBOOKS]
 # Every page of the book has math; every chapter has figures.
 PAGES_WITH_MATH = ["book/intro.html", "book/notation.html", *CHAPTERS]
+PAGES = [*PAGES_WITH_MATH, "book/references.html"]
+
+# Pages that still fail a check, and why. Each is a strict xfail (see the module docstring).
+CH2, CH4, CH5 = (f"notebooks/{n}.html" for n in ("02_kv_cache", "04_deltanet", "05_gating"))
+KNOWN: dict[tuple[str, str], str] = {
+    ("raw markup", CH5): "the KDA update's TeX, wrapped at a '+', renders as a list item",
+    ("source captions", CH2): "committed output names utils/_contextlib.py: re-run the notebook",
+    ("figure scale", CH4): "the capacity figure is 11 inches wide",
+    ("figure scale", CH5): "the rewrite bar figure is 12 inches wide",
+    ("overflow", CH4): "prints a 156-character settings dict",
+    ("overflow", CH5): "prints a 156-character settings dict",
+    ("internal words", CH2): "'the reference sheet', 'shared 2-core machine', 'other jobs'",
+    ("internal words", CH4): "'the setting of the issue', 'a heavily shared 2-core machine'",
+    ("internal words", CH5): "'the reference sheet', 'on a shared machine'",
+}
+
+
+def pages(check: str, names: list[str]) -> list:
+    """``names`` as parameters of ``check``, with the known failures marked strict xfail."""
+    return [
+        pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=KNOWN[check, p]))
+        if (check, p) in KNOWN
+        else p
+        for p in names
+    ]
 
 
 def missing(reason: str) -> None:
@@ -110,3 +144,172 @@ def test_every_resource_is_local(browser):
         )
         remote = [u for u in urls if not u.startswith("file:")]
         assert not remote, f"{page} asked the network for {remote}"
+
+
+# ---------------------------------------------------------------------------------------------
+# What a reader sees at 1280 px.
+
+# The article's text with code, printed output and typeset math left out: what is left should be
+# prose, so TeX or Markdown syntax found in it was not rendered. Collapsed boxes are opened first.
+PROSE = """
+const done = arguments[arguments.length - 1];
+document.querySelectorAll("details").forEach(d => { d.open = true; });
+const typeset = window.MathJax && MathJax.startup ? MathJax.startup.promise : Promise.resolve();
+typeset.then(() => {
+  const article = document.querySelector("article.bd-article");
+  const prose = article.cloneNode(true);
+  prose.querySelectorAll("pre, code, script, style, .math, mjx-container").forEach(e => e.remove());
+  done({prose: prose.textContent, all: article.textContent});
+});
+"""
+RAW_MARKUP = {
+    "TeX": re.compile(r"\$|\\[()\[\]]|\\[A-Za-z]{2,}"),  # $…$, \(…\), \[…\], \beta
+    # | --- | (smart punctuation turns an unrendered |---| into |—|)
+    "a Markdown table": re.compile(r"\|\s*:?(?:-{3,}|[—–]-*)\s*:?\s*\|"),
+}
+
+
+def snippets(pattern: re.Pattern, text: str, width: int = 40, most: int = 3) -> list[str]:
+    """Up to ``most`` pieces of ``text`` around matches of ``pattern`` (not overlapping)."""
+    found, end = [], 0
+    for m in pattern.finditer(text):
+        if m.start() >= end:
+            end = m.end() + width
+            found.append(" ".join(text[max(0, m.start() - width) : end].split()))
+    return found[:most]
+
+
+@pytest.mark.parametrize("page", pages("raw markup", PAGES))
+def test_no_raw_markup_in_the_text(browser, page):
+    open_page(browser, page)
+    prose = browser.execute_async_script(PROSE)["prose"]
+    found = {what: snippets(pattern, prose) for what, pattern in RAW_MARKUP.items()}
+    found = {what: hits for what, hits in found.items() if hits}
+    assert not found, f"{page} shows unrendered {found}"
+
+
+@pytest.mark.parametrize("page", pages("undecodable bytes", PAGES))
+def test_no_undecodable_bytes_shown(browser, page):
+    """U+FFFD is what invalid UTF-8 decodes to: a reader sees a black diamond, not the bytes."""
+    open_page(browser, page)
+    text = browser.execute_async_script(PROSE)["all"]
+    bad = snippets(re.compile("\ufffd+"), text, width=25)
+    assert not bad, f"{page} shows replacement characters instead of bytes: {bad}"
+
+
+# Words about how the book was made rather than about its subject: the book cites its sources
+# and describes the machine a number was measured on, not the circumstances of writing it.
+INTERNAL = re.compile(
+    r"reference sheet|\bthe issue\b|\bsession\b|shared (?:\d-core )?machine"
+    r"|machines? (?:are |is )?shared|other jobs",
+    re.IGNORECASE,
+)
+
+
+@pytest.mark.parametrize("page", pages("internal words", PAGES))
+def test_no_internal_words(browser, page):
+    """Prose, shown code and printed output alike."""
+    open_page(browser, page)
+    text = browser.execute_async_script(PROSE)["all"]
+    found = snippets(INTERNAL, text, width=30)
+    assert not found, f"{page} talks about its own making: {found}"
+
+
+CAPTIONS = """
+return [...document.querySelectorAll("article.bd-article code")].map(c => c.textContent.trim())
+"""
+SOURCE_CAPTION = re.compile(r"^\S+\.py, lines \d+-\d+$")  # what show_source writes
+
+
+@pytest.mark.parametrize("page", pages("source captions", CHAPTERS))
+def test_source_captions_name_library_files(browser, page):
+    """Every chapter shows the library's source; each caption names a file of ``gpt2kimi/``."""
+    open_page(browser, page)
+    captions = [c for c in browser.execute_script(CAPTIONS) if SOURCE_CAPTION.match(c)]
+    assert captions, f"{page} shows no library source"
+    outside = [c for c in captions if not c.startswith("gpt2kimi/")]
+    assert not outside, f"{page} shows source from outside the library: {outside}"
+
+
+# The house style draws text at 9-11 pt: 10 pt is 13.9 px at 100 dpi. Shown at 0.86 of that
+# scale it is 12 px, the size of the book's code; any smaller and axis labels become hard to read.
+MIN_FIGURE_SCALE = 0.86
+FIGURES = """
+const done = arguments[arguments.length - 1];
+const imgs = [...document.querySelectorAll("article.bd-article img")];
+Promise.all(imgs.map(i => i.complete ? null : new Promise(r => { i.onload = i.onerror = r; })))
+  .then(() => done(imgs.map(i => ({
+    src: i.src, natural: i.naturalWidth, shown: i.getBoundingClientRect().width,
+  }))));
+"""
+
+
+def image_dpi(src: str) -> float:
+    """The dots per inch a PNG records (matplotlib writes its savefig dpi); 100 if it has none."""
+    from PIL import Image
+
+    with Image.open(unquote(urlparse(src).path)) as image:
+        return float(image.info.get("dpi", (100, 100))[0])
+
+
+@pytest.mark.parametrize("page", pages("figure scale", ["book/intro.html", *CHAPTERS]))
+def test_figures_are_shown_at_a_legible_scale(browser, page):
+    """A figure's text appears at ≥ MIN_FIGURE_SCALE of its size in a 100-dpi rendering."""
+    open_page(browser, page)
+    figures = [f for f in browser.execute_async_script(FIGURES) if f["src"].endswith(".png")]
+    assert figures, f"{page} has no figures"
+    shrunk = []
+    for f in figures:
+        scale = f["shown"] / f["natural"] * image_dpi(f["src"]) / 100
+        if scale < MIN_FIGURE_SCALE:
+            name = Path(urlparse(f["src"]).path).name
+            shrunk.append(f"{name[:12]}: {f['natural']} px shown at {f['shown']:.0f} ({scale:.2f})")
+    assert not shrunk, f"{page}: figures shrunk below {MIN_FIGURE_SCALE} of their size: {shrunk}"
+
+
+# Code blocks, printed output, display math and tables that are wider than the article's text
+# column (they scroll sideways, or stick out of the column).
+OVERFLOW = """
+const done = arguments[arguments.length - 1];
+document.querySelectorAll("details").forEach(d => { d.open = true; });
+const typeset = window.MathJax && MathJax.startup ? MathJax.startup.promise : Promise.resolve();
+typeset.then(() => {
+  const article = document.querySelector("article.bd-article");
+  const style = getComputedStyle(article);
+  const right = article.getBoundingClientRect().right - parseFloat(style.paddingRight);
+  const kinds = {
+    "code or output": "pre",
+    "display math": "div.math, mjx-container[display='true']",
+    "table": "table",
+  };
+  const wide = [];
+  for (const [kind, selector] of Object.entries(kinds)) {
+    for (const el of article.querySelectorAll(selector)) {
+      const box = el.getBoundingClientRect();
+      if (box.width === 0) continue;  // not displayed
+      const scrolls = el.scrollWidth > el.clientWidth + 1;
+      const sticksOut = box.right > right + 1;
+      if (scrolls || sticksOut) {
+        const longest = Math.max(...el.textContent.split("\\n").map(l => l.length));
+        wide.push({kind, width: Math.max(el.scrollWidth, box.width), column: el.clientWidth,
+                   chars: longest, text: el.textContent.trim().slice(0, 50)});
+      }
+    }
+  }
+  done({column: right - article.getBoundingClientRect().left - parseFloat(style.paddingLeft),
+        wide});
+});
+"""
+
+
+@pytest.mark.parametrize("page", pages("overflow", PAGES))
+def test_code_math_and_tables_fit_the_column(browser, page):
+    open_page(browser, page)
+    result = browser.execute_async_script(OVERFLOW)
+    wide = [
+        f"{w['kind']} {w['width']:.0f} px > {w['column']} px"
+        + (f" ({w['chars']} characters)" if w["kind"] == "code or output" else "")
+        + f": {w['text']!r}"
+        for w in result["wide"]
+    ]
+    assert not wide, f"{page} (column {result['column']:.0f} px) scrolls sideways: {wide}"
