@@ -1,0 +1,310 @@
+"""The Kimi Linear hybrid: both config forms, equal to transformers' KimiLinearForCausalLM
+(logits and greedy generation), cached decoding, parameter counts of the 48B model, bad
+checkpoints."""
+
+import pytest
+import torch
+
+from gpt2kimi.gpt2 import CheckpointError
+from gpt2kimi.hybrid import (
+    HybridConfig,
+    KimiHybrid,
+    KimiLinearKDA,
+    cache_bytes,
+    count_params,
+    generate,
+    hf_to_local,
+)
+
+transformers = pytest.importorskip("transformers")
+
+# Kimi-Linear-48B-A3B in the released config.json form: linear_attn_config with 1-indexed layer
+# numbers and first_k_dense_replace (numbers from the model's published configuration).
+MLA_LAYERS_1_INDEXED = [4, 8, 12, 16, 20, 24, 27]
+KIMI_LINEAR_48B = {
+    "architectures": ["KimiLinearForCausalLM"],
+    "model_type": "kimi_linear",
+    "vocab_size": 163840,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "moe_intermediate_size": 1024,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "num_experts": 256,
+    "num_experts_per_token": 8,
+    "num_shared_experts": 1,
+    "num_expert_group": 1,
+    "topk_group": 1,
+    "moe_renormalize": True,
+    "routed_scaling_factor": 2.446,
+    "first_k_dense_replace": 1,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "linear_attn_config": {
+        "head_dim": 128,
+        "num_heads": 32,
+        "short_conv_kernel_size": 4,
+        "kda_layers": [i for i in range(1, 28) if i not in MLA_LAYERS_1_INDEXED],
+        "full_attn_layers": MLA_LAYERS_1_INDEXED,
+    },
+    "pad_token_id": 163839,
+    "bos_token_id": 163584,
+    "eos_token_id": 163586,
+}
+
+# Exact counts of the 48B model built from that config (the paper and model card say "48B total,
+# 3B active"): every parameter, and those one token uses (8 of 256 routed experts per layer).
+TOTAL_48B = 49_122_675_072
+ACTIVE_48B = 3_484_453_248
+
+
+def tiny_config(**overrides) -> HybridConfig:
+    """Four layers (KDA, MLA, KDA, MLA), dense first, grouped routing: every option at once."""
+    base = dict(
+        vocab_size=64,
+        d_model=32,
+        mixers=("kda", "mla", "kda", "mla"),
+        ffns=("dense", "moe", "moe", "moe"),
+        kda_heads=3,
+        kda_head_dim=8,
+        mla_heads=2,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        dense_hidden=48,
+        n_experts=8,
+        top_k=2,
+        expert_hidden=16,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+    )
+    return HybridConfig(**{**base, **overrides})
+
+
+def kimi_linear(config: HybridConfig, seed: int = 0):
+    """transformers' KimiLinearForCausalLM for ``config``, random weights everywhere (norm
+    gains, gates and the routers' correction biases included), in eval mode."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    hf_config = KimiLinearConfig(
+        **config.to_hf(), pad_token_id=0, bos_token_id=1, eos_token_id=2
+    )
+    torch.manual_seed(seed)
+    hf = KimiLinearForCausalLM(hf_config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() == 1 or name.endswith("A_log"):  # norms, dt_bias, A_log: not their init
+                p.add_(0.2 * torch.randn_like(p))
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+    return hf_config, hf
+
+
+# ----------------------------------------------------------------------------------------------
+# configuration
+
+
+def test_config_from_to_dict_form():
+    config = tiny_config()
+    hf_config, _ = kimi_linear(config)
+    d = hf_config.to_dict()
+    assert "layer_types" in d and "linear_attn_config" not in d
+    assert HybridConfig.from_hf(d) == config
+    assert HybridConfig.from_hf(hf_config) == config  # the config object itself
+
+
+def test_config_from_released_form():
+    config = HybridConfig.from_hf(KIMI_LINEAR_48B)
+    assert config.n_layer == 27 and (config.n_kda, config.n_mla) == (20, 7)
+    assert [i + 1 for i, m in enumerate(config.mixers) if m == "mla"] == MLA_LAYERS_1_INDEXED
+    assert config.ffns == ("dense",) + ("moe",) * 26
+    assert (config.kda_heads, config.kda_head_dim, config.conv_size) == (32, 128, 4)
+    assert (config.n_experts, config.top_k, config.n_shared_experts) == (256, 8, 1)
+    assert config.q_lora_rank is None and config.routed_scaling_factor == 2.446
+
+
+def test_both_forms_agree_through_transformers():
+    """transformers reads the released form into its own layer_types; we read both the same."""
+    from transformers import KimiLinearConfig
+
+    released = {k: v for k, v in KIMI_LINEAR_48B.items() if k not in ("architectures",)}
+    to_dict_form = KimiLinearConfig(**released).to_dict()
+    assert HybridConfig.from_hf(to_dict_form) == HybridConfig.from_hf(KIMI_LINEAR_48B)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"full_attn_layers": [4, 8, 12, 16, 20, 24, 28]}, "1-indexed"),
+        ({"full_attn_layers": [3, 4, 8, 12, 16, 20, 24, 27]}, "listed twice"),
+        ({"full_attn_layers": [4, 8, 12, 16, 20, 24]}, "no type to layers [27]"),
+    ],
+)
+def test_config_layer_numbers_are_checked(change, message):
+    bad = {**KIMI_LINEAR_48B, "linear_attn_config": {**KIMI_LINEAR_48B["linear_attn_config"],
+                                                     **change}}
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        HybridConfig.from_hf(bad)
+
+
+def test_config_errors_name_the_problem():
+    with pytest.raises(ValueError, match="untied head"):
+        HybridConfig.from_hf({**KIMI_LINEAR_48B, "tie_word_embeddings": True})
+    with pytest.raises(ValueError, match="no kv_lora_rank"):
+        HybridConfig.from_hf({k: v for k, v in KIMI_LINEAR_48B.items() if k != "kv_lora_rank"})
+    with pytest.raises(ValueError, match="layer 1: mixer"):
+        tiny_config(mixers=("kda", "gdn", "kda", "mla"))
+    with pytest.raises(ValueError, match="4 mixer types but 3"):
+        tiny_config(ffns=("dense", "moe", "moe"))
+    with pytest.raises(ValueError, match="top_k"):
+        tiny_config(top_k=9)
+
+
+# ----------------------------------------------------------------------------------------------
+# parameters
+
+
+def test_48b_parameter_count_on_meta():
+    """Built on the meta device from the released config: 49,122,675,072 parameters (the
+    published "48B"), 3,484,453,248 of them used per token (the published "3B"), as many as
+    transformers' own model has."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    counts = count_params(HybridConfig.from_hf(KIMI_LINEAR_48B))
+    assert (counts.total, counts.active) == (TOTAL_48B, ACTIVE_48B)
+    assert sum(counts.by_part.values()) + counts.embedding + counts.head == counts.total
+    released = {k: v for k, v in KIMI_LINEAR_48B.items() if k != "architectures"}
+    with torch.device("meta"):
+        hf = KimiLinearForCausalLM(KimiLinearConfig(**released))
+    assert sum(p.numel() for p in hf.parameters()) == TOTAL_48B
+
+
+# ----------------------------------------------------------------------------------------------
+# equal to transformers
+
+
+@pytest.mark.parametrize(
+    "overrides, B, T",
+    [
+        ({}, 2, 70),  # T odd, across transformers' 64-token chunks and ours
+        ({"q_lora_rank": 12}, 2, 37),  # the low-rank query path
+        ({"chunk_size": 16}, 1, 41),  # our chunks of 16 against transformers' 64
+    ],
+)
+def test_logits_equal_transformers(overrides, B, T):
+    config = tiny_config(**overrides)
+    hf_config, hf = kimi_linear(config)
+    model = KimiHybrid.from_hf(hf.state_dict(), hf_config.to_dict())
+    idx = torch.randint(0, config.vocab_size, (B, T), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(idx, use_cache=False).logits
+        got = model(idx)
+    assert got.shape == (B, T, config.vocab_size)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_kda_layer_loads_transformers_weights_as_is():
+    """KimiLinearDeltaAttention's state dict loads into the KDA layer without renaming; the
+    outputs agree, and a prompt then single tokens (the recurrent step) equals one call."""
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
+
+    config = tiny_config()
+    hf_config, hf = kimi_linear(config)
+    hf_layer = hf.model.layers[0].self_attn
+    assert isinstance(hf_layer, KimiLinearDeltaAttention)
+    layer = KimiLinearKDA(32, 3, 8)
+    layer.load_state_dict(hf_layer.state_dict())
+    x = torch.randn(2, 19, 32)
+    with torch.no_grad():
+        y = layer(x)
+        torch.testing.assert_close(y, hf_layer(x), rtol=1e-4, atol=1e-5)
+        pieces, state = [], None
+        for chunk in (x[:, :11], *x[:, 11:].split(1, dim=1)):
+            out, state = layer(chunk, state, return_state=True)
+            pieces.append(out)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), y, rtol=1e-4, atol=1e-5)
+    assert state.memory.shape == (2, 3, 8, 8) and state.conv.shape == (2, 3, 3 * 3 * 8)
+
+
+def test_greedy_generation_equals_transformers_and_is_the_same_with_and_without_cache():
+    config = tiny_config()
+    hf_config, hf = kimi_linear(config, seed=3)
+    model = KimiHybrid.from_hf(hf.state_dict(), hf_config.to_dict())
+    prompt = torch.randint(3, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    n_new = 12
+    cached = generate(model, prompt, n_new)
+    uncached = generate(model, prompt, n_new, use_cache=False)
+    assert torch.equal(cached, uncached)
+    with torch.no_grad():
+        # min_new_tokens=0 and no eos stop: transformers decodes exactly n_new greedy tokens
+        expected = hf.generate(
+            prompt, max_new_tokens=n_new, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    assert torch.equal(cached, expected)
+
+
+def test_cache_bytes_split_into_growing_and_fixed():
+    config = tiny_config()
+    model = KimiHybrid(config).eval()
+    B, T = 2, 13
+    cache = model.new_cache(B, max_len=32)
+    with torch.no_grad():
+        model(torch.randint(0, config.vocab_size, (B, T)), cache=cache)
+    got = cache_bytes(cache)
+    assert got.growing == B * T * config.cache_bytes_per_token(bytes_per_element=4)
+    assert got.fixed == B * config.state_bytes(bytes_per_element=4)
+    with torch.no_grad():
+        model(torch.randint(0, config.vocab_size, (B, 1)), cache=cache)
+    after = cache_bytes(cache)
+    assert after.fixed == got.fixed  # KDA's memory does not grow ...
+    assert after.growing == got.growing + B * config.cache_bytes_per_token(4)  # ... MLA's does
+
+
+# ----------------------------------------------------------------------------------------------
+# bad checkpoints
+
+
+def test_prefix_table():
+    assert hf_to_local("model.embed_tokens.weight") == "embed.weight"
+    assert hf_to_local("model.layers.3.self_attn.kv_b_proj.weight") == (
+        "blocks.3.mixer.kv_b_proj.weight"
+    )
+    assert hf_to_local("model.layers.12.mlp.experts.down_proj") == "blocks.12.ffn.experts.down_proj"
+    assert hf_to_local("model.layers.0.post_attention_layernorm.weight") == (
+        "blocks.0.norm_2.weight"
+    )
+    assert hf_to_local("lm_head.weight") == "lm_head.weight"
+    assert hf_to_local("transformer.wte.weight") is None
+
+
+def test_bad_checkpoints_list_every_problem():
+    config = tiny_config()
+    hf_config, hf = kimi_linear(config)
+    good = hf.state_dict()
+    bad = dict(good)
+    del bad["model.layers.1.self_attn.kv_b_proj.weight"]  # missing
+    bad["model.layers.0.self_attn.bogus.weight"] = torch.zeros(1)  # unexpected
+    bad["model.rotary_emb.inv_freq"] = torch.zeros(1)  # unexpected, no prefix matches
+    bad["model.layers.2.mlp.experts.down_proj"] = torch.zeros(8, 32, 15)  # mis-shaped
+    with pytest.raises(CheckpointError) as err:
+        KimiHybrid.from_hf(bad, hf_config.to_dict())
+    message = str(err.value)
+    assert "missing keys: ['blocks.1.mixer.kv_b_proj.weight']" in message
+    assert "model.layers.0.self_attn.bogus.weight (as blocks.0.mixer.bogus.weight)" in message
+    assert "model.rotary_emb.inv_freq" in message
+    assert "blocks.2.ffn.experts.down_proj: checkpoint (8, 32, 15) vs model (8, 32, 16)" in message
+    # a checkpoint of another shape of model: every layer's mismatch is named
+    other = tiny_config(mixers=("kda", "kda", "kda", "mla"))
+    with pytest.raises(CheckpointError, match="blocks.1.mixer"):
+        KimiHybrid.from_hf(good, other)
