@@ -173,3 +173,145 @@ def test_decode_memory_is_cache_plus_fp32_state():
     assert decode_memory_bytes(cfg, 0) == state
     assert decode_memory_bytes(cfg, 1000, batch=2) == 2 * (1000 * 8_064 + state)
     assert decode_memory_bytes(all_attention(cfg), 1000) == 1000 * 27 * 576 * 2
+
+
+# ----------------------------------------------------------------------------------------------
+# total and active parameters of MoE models (chapter 7)
+
+from gpt2kimi.accounting import (  # noqa: E402
+    PARAM_SPECS,
+    KDAShape,
+    MLAShape,
+    MoEShape,
+    ParamSpec,
+    dense_param_count,
+    kimi_k3_routed_params,
+    param_count,
+)
+
+
+def _hf_param_count(model_class, config) -> int:
+    with torch.device("meta"):  # shapes only, no memory
+        model = model_class(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _kimi_linear_layer_types(n_layer: int, mla_layers: list[int]) -> list[str]:
+    return ["full_attention" if i in mla_layers else "linear_attention" for i in range(n_layer)]
+
+
+def test_param_count_equals_transformers_kimi_linear_48b_a3b():
+    transformers = pytest.importorskip("transformers")
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    # transformers' default KimiLinearConfig is this model, except that it puts 6 MLA layers; the
+    # released config.json has 7, at 1-indexed layers 4, 8, 12, 16, 20, 24, 27
+    mla_at = [3, 7, 11, 15, 19, 23, 26]
+    config = KimiLinearConfig(layer_types=_kimi_linear_layer_types(27, mla_at))
+    assert transformers.__version__ and config.hidden_size == 2304
+    spec = PARAM_SPECS["kimi-linear-48b-a3b"]
+    assert param_count(spec).total == _hf_param_count(KimiLinearForCausalLM, config)
+    assert param_count(spec).total == 49_122_675_072
+
+
+def test_param_count_equals_transformers_deepseek_v3():
+    pytest.importorskip("transformers")
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    spec = PARAM_SPECS["deepseek-v3"]
+    # transformers' default DeepseekV3Config is DeepSeek-V3's released config
+    assert param_count(spec).total == _hf_param_count(DeepseekV3ForCausalLM, DeepseekV3Config())
+    assert param_count(spec).total == 671_026_404_352
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 24])
+def test_param_count_formulas_equal_tiny_transformers_models(q_lora_rank):
+    pytest.importorskip("transformers")
+    from transformers import (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        KimiLinearConfig,
+        KimiLinearForCausalLM,
+    )
+
+    small = dict(vocab_size=100, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=32)
+    mla = MLAShape(n_head=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                   v_head_dim=6, q_lora_rank=q_lora_rank)  # fmt: skip
+    moe = MoEShape(n_experts=6, top_k=2, expert_hidden=10, n_shared=2)
+    deepseek = DeepseekV3Config(
+        **small, num_hidden_layers=3, first_k_dense_replace=1, intermediate_size=48,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=q_lora_rank,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=6,
+        num_experts_per_tok=2, moe_intermediate_size=10, n_shared_experts=2, n_group=1,
+        topk_group=1,
+    )  # fmt: skip
+    spec = ParamSpec("tiny", 100, 32, n_mla_layers=3, mla=mla, n_dense_layers=1,
+                     dense_hidden=48, n_moe_layers=2, moe=moe)  # fmt: skip
+    assert param_count(spec).total == _hf_param_count(DeepseekV3ForCausalLM, deepseek)
+
+    kimi = KimiLinearConfig(
+        **small, num_hidden_layers=4, layer_types=_kimi_linear_layer_types(4, [2]),
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"], intermediate_size=48,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=q_lora_rank,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, num_local_experts=6,
+        num_experts_per_tok=2, moe_intermediate_size=10, n_shared_experts=2,
+        linear_num_heads=3, linear_head_dim=8, linear_conv_kernel_dim=3,
+    )  # fmt: skip
+    spec = ParamSpec("tiny", 100, 32, n_mla_layers=1, mla=mla, n_kda_layers=3,
+                     kda=KDAShape(n_head=3, head_dim=8, conv_kernel=3), n_dense_layers=1,
+                     dense_hidden=48, n_moe_layers=3, moe=moe)  # fmt: skip
+    assert param_count(spec).total == _hf_param_count(KimiLinearForCausalLM, kimi)
+
+
+# (key, published total, published active, relative tolerance): the published figures are
+# rounded; the tolerance covers the rounding and is stated with the exact computed numbers.
+PUBLISHED = [
+    # computed 671,026,404,352 total, 36,625,603,584 active (DeepSeek's own table: 36.6B)
+    ("deepseek-v3", 671e9, 37e9, 0.015),
+    # computed 1,026,408,209,408 total, 31,687,072,768 active
+    ("kimi-k2", 1.04e12, 32e9, 0.015),
+    # computed 49,122,675,072 total, 3,106,965,888 active (the name rounds to 48B / A3B)
+    ("kimi-linear-48b-a3b", 48e9, 3e9, 0.04),
+]
+
+
+@pytest.mark.parametrize("key,total,active,tolerance", PUBLISHED)
+def test_computed_totals_match_the_published_ones(key, total, active, tolerance):
+    counts = param_count(PARAM_SPECS[key])
+    assert counts.total == pytest.approx(total, rel=tolerance)
+    assert counts.active == pytest.approx(active, rel=tolerance)
+    assert MODELS[key].total_params == total and MODELS[key].active_params == active
+
+
+def test_exact_computed_counts():
+    exact = {key: (param_count(spec).total, param_count(spec).active)
+             for key, spec in PARAM_SPECS.items()}  # fmt: skip
+    assert exact == {
+        "deepseek-v3": (671_026_404_352, 36_625_603_584),
+        "kimi-k2": (1_026_408_209_408, 31_687_072_768),
+        "kimi-linear-48b-a3b": (49_122_675_072, 3_106_965_888),
+    }
+    # DeepSeek's report: 36.6B activated, 0.9B of them the output head
+    head = param_count(PARAM_SPECS["deepseek-v3"]).head
+    assert round(head / 1e9, 1) == 0.9
+
+
+def test_gpt2_is_dense_and_kimi_k3_routed_experts_are_most_of_its_total():
+    gpt2 = dense_param_count("GPT-2 small", MODELS["gpt2"].total_params)
+    assert gpt2.total == gpt2.active == 124_439_808
+    # Kimi K3: 896 routed experts, 16 per token (not 898 as sometimes quoted)
+    k3 = MODELS["kimi-k3"]
+    assert (k3.n_experts, k3.n_active_experts) == (896, 16)
+    routed, routed_active = kimi_k3_routed_params()
+    assert routed == 92 * 896 * 3 * 3584 * 3072 == 2_722_740_830_208
+    assert routed_active == 92 * 16 * 3 * 3584 * 3072 == 48_620_371_968
+    assert 0.95 < routed / k3.total_params < 1  # the routed experts are 97% of the 2.8T
+    assert routed_active / k3.active_params < 0.5  # but less than half of what a token uses
+
+
+def test_param_spec_rejects_inconsistent_layers():
+    spec = PARAM_SPECS["deepseek-v3"]
+    with pytest.raises(ValueError, match="attention layers but"):
+        dataclasses.replace(spec, n_moe_layers=57)
+    with pytest.raises(ValueError, match="needs a KDAShape"):
+        dataclasses.replace(spec, n_kda_layers=1, n_moe_layers=59)

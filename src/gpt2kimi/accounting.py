@@ -341,3 +341,240 @@ def decode_memory_bytes(
     return kv_cache_bytes(cfg, context_len, batch, cache_bytes_per_element) + (
         recurrent_state_bytes(cfg, batch, state_bytes_per_element)
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameters of Mixture-of-Experts models: total and active (chapter 7)
+#
+# A token passes through the attention of every layer, the dense feed-forward layers, and in each
+# MoE layer the router, its k chosen experts and the shared experts. "Active" counts those, plus
+# the output head, and leaves out the experts a token does not use and the input embedding table
+# when it is a separate matrix (a token only reads its own row; DeepSeek-V3's report counts that
+# table in the total but not among the activated parameters). A tied table is the output head, so
+# GPT-2's counts as active: for a dense model active = total.
+
+
+def swiglu_param_count(d_model: int, hidden: int) -> int:
+    """A SwiGLU feed-forward: gate, up ``[hidden, d]`` and down ``[d, hidden]``, no biases."""
+    return 3 * d_model * hidden
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """Multi-head Latent Attention's widths (``transformers``' DeepSeek-V3 / Kimi names)."""
+
+    n_head: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None  # None: one q_proj, no low-rank query path
+
+    def param_count(self, d_model: int) -> int:
+        """q path, ``kv_a_proj_with_mqa`` + its norm, ``kv_b_proj``, ``o_proj`` (no biases)."""
+        H, qk = self.n_head, self.qk_nope_head_dim + self.qk_rope_head_dim
+        if self.q_lora_rank is None:
+            q = d_model * H * qk
+        else:  # q_a_proj, q_a_layernorm, q_b_proj
+            q = d_model * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * H * qk
+        kv_a = d_model * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        kv_b = self.kv_lora_rank * H * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv_a + kv_b + H * self.v_head_dim * d_model
+
+
+@dataclass(frozen=True)
+class KDAShape:
+    """Kimi Delta Attention's widths (``transformers``' Kimi Linear layout)."""
+
+    n_head: int
+    head_dim: int
+    conv_kernel: int = 4
+
+    def param_count(self, d_model: int) -> int:
+        """q, k, v, their depthwise conv, forget gate (low rank + dt_bias + A_log), beta, output
+        gate (low rank), output norm and o_proj."""
+        H, D = self.n_head, self.head_dim
+        qkv = 3 * d_model * H * D + 3 * H * D * self.conv_kernel
+        forget_gate = d_model * D + D * H * D + H * D + H
+        beta = d_model * H
+        output_gate = d_model * D + D * H * D + D
+        return qkv + forget_gate + beta + output_gate + H * D * d_model
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """One MoE layer: ``n_experts`` routed SwiGLU experts of width ``expert_hidden``, ``top_k``
+    per token, ``n_shared`` always on. ``latent``: Kimi K3's latent MoE, whose routed experts
+    run in a narrower space (the down/up projections around them are not counted here)."""
+
+    n_experts: int
+    top_k: int
+    expert_hidden: int
+    n_shared: int = 0
+    latent: int | None = None
+
+    def param_counts(self, d_model: int) -> dict[str, int]:
+        """Router, all routed experts, the routed experts one token uses, shared experts."""
+        width = d_model if self.latent is None else self.latent
+        expert = swiglu_param_count(width, self.expert_hidden)
+        return {
+            "router": self.n_experts * d_model,
+            "routed": self.n_experts * expert,
+            "routed_active": self.top_k * expert,
+            "shared": self.n_shared * swiglu_param_count(d_model, self.expert_hidden),
+        }
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What the parameters of a decoder with MLA / KDA attention and MoE layers depend on."""
+
+    name: str
+    vocab_size: int
+    d_model: int
+    n_mla_layers: int
+    mla: MLAShape
+    n_dense_layers: int  # leading layers with a dense SwiGLU (DeepSeek's first_k_dense_replace)
+    dense_hidden: int
+    n_moe_layers: int
+    moe: MoEShape
+    n_kda_layers: int = 0
+    kda: KDAShape | None = None
+    tied_embeddings: bool = False
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        attention = self.n_mla_layers + self.n_kda_layers
+        if attention != self.n_dense_layers + self.n_moe_layers:
+            raise ValueError(
+                f"{self.name}: {attention} attention layers but {self.n_dense_layers} dense + "
+                f"{self.n_moe_layers} MoE feed-forward layers"
+            )
+        if self.n_kda_layers and self.kda is None:
+            raise ValueError(f"{self.name}: n_kda_layers={self.n_kda_layers} needs a KDAShape")
+
+    @property
+    def n_layer(self) -> int:
+        return self.n_mla_layers + self.n_kda_layers
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameters by part. ``total`` and ``active`` follow the convention stated above."""
+
+    name: str
+    embedding: int  # input table (0 when tied to the head)
+    head: int
+    attention: int
+    norms: int
+    dense_ffn: int
+    router: int
+    routed: int
+    routed_active: int
+    shared: int
+
+    @property
+    def total(self) -> int:
+        return (
+            self.embedding
+            + self.head
+            + self.attention
+            + self.norms
+            + self.dense_ffn
+            + self.router
+            + self.routed
+            + self.shared
+        )
+
+    @property
+    def active(self) -> int:
+        return self.total - self.embedding - (self.routed - self.routed_active)
+
+
+def param_count(spec: ParamSpec) -> ParamCount:
+    """Total and active parameters of ``spec``, part by part (norms: two per layer, one final)."""
+    d = spec.d_model
+    attention = spec.n_mla_layers * spec.mla.param_count(d)
+    if spec.kda is not None:
+        attention += spec.n_kda_layers * spec.kda.param_count(d)
+    moe = {k: spec.n_moe_layers * v for k, v in spec.moe.param_counts(d).items()}
+    table = spec.vocab_size * d
+    return ParamCount(
+        name=spec.name,
+        embedding=0 if spec.tied_embeddings else table,
+        head=table,
+        attention=attention,
+        norms=(2 * spec.n_layer + 1) * d,
+        dense_ffn=spec.n_dense_layers * swiglu_param_count(d, spec.dense_hidden),
+        **moe,
+    )
+
+
+def dense_param_count(name: str, total: int) -> ParamCount:
+    """A dense model known by its total (GPT-2: every parameter is active)."""
+    return ParamCount(name, 0, total, 0, 0, 0, 0, 0, 0, 0)
+
+
+_DSV3_MLA = MLAShape(
+    n_head=128, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    q_lora_rank=1536,
+)  # fmt: skip
+
+# Configs of the released checkpoints (config.json on the Hugging Face hub), cited in chapter 7.
+PARAM_SPECS: dict[str, ParamSpec] = {
+    "deepseek-v3": ParamSpec(
+        name="DeepSeek-V3",
+        vocab_size=129_280,
+        d_model=7168,
+        n_mla_layers=61,
+        mla=_DSV3_MLA,
+        n_dense_layers=3,
+        dense_hidden=18_432,
+        n_moe_layers=58,
+        moe=MoEShape(n_experts=256, top_k=8, expert_hidden=2048, n_shared=1),
+        source="deepseek-ai/DeepSeek-V3 config.json; DeepSeek-AI 2024 (arXiv:2412.19437)",
+    ),
+    "kimi-k2": ParamSpec(
+        name="Kimi K2",
+        vocab_size=163_840,
+        d_model=7168,
+        n_mla_layers=61,
+        mla=replace(_DSV3_MLA, n_head=64),
+        n_dense_layers=1,
+        dense_hidden=18_432,
+        n_moe_layers=60,
+        moe=MoEShape(n_experts=384, top_k=8, expert_hidden=2048, n_shared=1),
+        source="moonshotai/Kimi-K2-Instruct config.json; Kimi Team 2025 (arXiv:2507.20534)",
+    ),
+    "kimi-linear-48b-a3b": ParamSpec(
+        name="Kimi-Linear-48B-A3B",
+        vocab_size=163_840,
+        d_model=2304,
+        n_mla_layers=7,
+        mla=MLAShape(
+            n_head=32, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
+        ),
+        n_kda_layers=20,
+        kda=KDAShape(n_head=32, head_dim=128, conv_kernel=4),
+        n_dense_layers=1,
+        dense_hidden=9216,
+        n_moe_layers=26,
+        moe=MoEShape(n_experts=256, top_k=8, expert_hidden=1024, n_shared=1),
+        source="moonshotai/Kimi-Linear-48B-A3B-Instruct config.json; Kimi Team 2025",
+    ),
+}
+
+# Kimi K3's routed experts, as read from the released files by a third party: 92 MoE layers of
+# 896 experts (16 per token) of width 3072, running in a 3584-wide latent space. Its other widths
+# (attention, shared experts, latent projections) are not in the sources the book cites.
+KIMI_K3_MOE_LAYERS = 92
+KIMI_K3_MOE = MoEShape(n_experts=896, top_k=16, expert_hidden=3072, n_shared=2, latent=3584)
+
+
+def kimi_k3_routed_params() -> tuple[int, int]:
+    """(all routed expert parameters, routed parameters one token uses) of Kimi K3."""
+    counts = KIMI_K3_MOE.param_counts(d_model=7168)
+    return (
+        KIMI_K3_MOE_LAYERS * counts["routed"],
+        KIMI_K3_MOE_LAYERS * counts["routed_active"],
+    )
