@@ -1,0 +1,252 @@
+"""``python -m gpt2kimi.bench moe-train``: dense FFN vs MoE on the byte corpus, and balancing.
+
+Trains the same small language model (softmax attention, NoPE, the built-in byte corpus) with
+four feed-forward variants at equal **active** parameters, and writes a results file that
+chapter 7 plots::
+
+    dense     a SwiGLU of hidden width (top_k + shared) · expert_hidden
+    moe       an MoE, no balancing
+    moe_aux   the same with Switch Transformer's auxiliary loss (weight --aux-alpha)
+    moe_bias  the same with DeepSeek-V3's auxiliary-loss-free bias update (step --bias-gamma)
+
+For each run the file holds the validation losses, the load of every MoE layer over training
+(max / mean tokens per expert, per step) and, after training, which experts each kind of byte
+is sent to. Runs are single-threaded, ``--jobs`` of them at once::
+
+    python -m gpt2kimi.bench moe-train                                   # book/data/moe_train.json
+    python -m gpt2kimi.bench moe-train --steps 150 --variants dense moe_bias \
+        --out book/data/moe_train_live.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from gpt2kimi.attention import SoftmaxAttention
+from gpt2kimi.backbone import BackboneConfig, LanguageModel, count_parameters
+from gpt2kimi.bench.machine import machine_info
+from gpt2kimi.data import lm_batches, load_corpus
+from gpt2kimi.moe import AuxLossWrapper, MoE, MoEConfig, dense_equivalent, moe_layers
+from gpt2kimi.mqar import map_jobs
+from gpt2kimi.progress import say
+from gpt2kimi.train import TrainConfig, train
+
+VARIANTS = ("dense", "moe", "moe_aux", "moe_bias")
+DEFAULT_OUT = "book/data/moe_train.json"
+
+# Byte classes for the "what each expert learned" heatmap: (name, test on the byte value).
+BYTE_CLASSES = (
+    ("space", lambda b: b == 32),
+    ("newline", lambda b: b == 10),
+    ("lowercase", lambda b: 97 <= b <= 122),
+    ("uppercase", lambda b: 65 <= b <= 90),
+    ("digit", lambda b: 48 <= b <= 57),
+    ("punctuation", lambda b: 33 <= b <= 126 and not chr(b).isalnum()),
+    ("other", lambda b: b < 32 and b != 10 or b > 126),
+)
+
+
+@dataclass
+class MoETrainSettings:
+    """Everything a run depends on besides its variant (recorded in the results file)."""
+
+    d_model: int = 64
+    n_layer: int = 2
+    n_head: int = 2
+    n_experts: int = 8
+    top_k: int = 2
+    n_shared: int = 1
+    expert_hidden: int = 64
+    block_size: int = 64
+    batch_size: int = 16
+    steps: int = 1500
+    lr: float = 3e-3
+    warmup_steps: int = 50
+    eval_interval: int = 100
+    eval_batches: int = 10
+    aux_alpha: float = 0.01
+    bias_gamma: float = 0.01
+    seed: int = 0
+
+    def moe_config(self) -> MoEConfig:
+        return MoEConfig(
+            d_model=self.d_model,
+            n_experts=self.n_experts,
+            top_k=self.top_k,
+            expert_hidden=self.expert_hidden,
+            n_shared_experts=self.n_shared,
+        )
+
+
+def byte_class(byte: int) -> str:
+    """The name of the class in :data:`BYTE_CLASSES` that ``byte`` belongs to."""
+    return next(name for name, test in BYTE_CLASSES if test(byte))
+
+
+def build_model(variant: str, settings: MoETrainSettings) -> AuxLossWrapper | LanguageModel:
+    """The language model of ``variant``; MoE variants come wrapped for balancing."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
+    torch.manual_seed(settings.seed)
+    config = BackboneConfig(
+        vocab_size=256, d_model=settings.d_model, n_layer=settings.n_layer, n_head=settings.n_head
+    )
+    moe_config = settings.moe_config()
+    if variant == "dense":
+        return LanguageModel(config, SoftmaxAttention, lambda d: dense_equivalent(moe_config))
+    model = LanguageModel(config, SoftmaxAttention, lambda d: MoE(moe_config))
+    alpha = settings.aux_alpha if variant == "moe_aux" else 0.0
+    gamma = settings.bias_gamma if variant == "moe_bias" else 0.0
+    return AuxLossWrapper(model, aux_alpha=alpha, bias_gamma=gamma)
+
+
+@torch.no_grad()
+def expert_choice_by_byte(model, ids: torch.Tensor, block_size: int) -> list[list[list[int]]]:
+    """For each MoE layer, ``counts[byte][e]``: how often input byte ``byte`` was sent to expert e.
+
+    Runs the model (in eval mode) over ``ids`` (1-D bytes) cut into windows of ``block_size``.
+    """
+    model.eval()
+    n_windows = len(ids) // block_size
+    x = ids[: n_windows * block_size].view(n_windows, block_size)
+    model(x)
+    tables = []
+    for layer in moe_layers(model):
+        experts = layer.last_routing.experts  # [N, k]
+        rows = x.flatten()[:, None].expand_as(experts)
+        count = torch.zeros(256, layer.config.n_experts, dtype=torch.long)
+        count.index_put_((rows.flatten(), experts.flatten()), torch.ones_like(rows.flatten()), True)
+        tables.append(count.tolist())
+    return tables
+
+
+def shares_by_class(counts: list[list[int]]) -> dict[str, list[float]]:
+    """``{class: [share of that class's token copies sent to expert e]}`` from a byte table."""
+    table = torch.tensor(counts, dtype=torch.float64)
+    shares = {}
+    for name, _ in BYTE_CLASSES:
+        rows = [b for b in range(256) if byte_class(b) == name]
+        total = table[rows].sum(dim=0)
+        shares[name] = (total / total.sum().clamp_min(1)).tolist()
+    return shares
+
+
+def run_variant(variant: str, settings: MoETrainSettings) -> dict:
+    """Train one variant; return its record (losses, load over training, expert choice)."""
+    model = build_model(variant, settings)
+    corpus = load_corpus()
+    batches = lm_batches(corpus, settings.batch_size, settings.block_size, seed=settings.seed)
+    cfg = TrainConfig(
+        steps=settings.steps,
+        lr=settings.lr,
+        warmup_steps=settings.warmup_steps,
+        eval_interval=settings.eval_interval,
+        eval_batches=settings.eval_batches,
+        seed=settings.seed,
+    )
+    start = time.perf_counter()
+    history = train(model, batches, cfg)
+    record = {
+        "variant": variant,
+        "parameters": count_parameters(model),
+        "val_steps": history.val_steps,
+        "val_loss": [round(v, 4) for v in history.val_loss],
+        "final_val_loss": round(history.val_loss[-1], 4),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    if variant != "dense":
+        # load of each step: max / mean tokens per expert, averaged over the MoE layers
+        imbalance = [
+            sum(max(layer) / (sum(layer) / len(layer)) for layer in step) / len(step)
+            for step in model.load_history
+        ]
+        record["load_imbalance"] = [round(v, 3) for v in imbalance]
+        record["final_load"] = [list(layer) for layer in model.load_history[-1]]
+        record["experts_by_byte"] = expert_choice_by_byte(
+            model, corpus.val[: 64 * settings.block_size], settings.block_size
+        )
+        record["active_parameters"] = active_parameters(model, settings)
+    else:
+        record["active_parameters"] = record["parameters"]
+    return record
+
+
+def active_parameters(model, settings: MoETrainSettings) -> int:
+    """Parameters a token uses: all but the routed experts it was not sent to."""
+    unused = settings.n_experts - settings.top_k
+    per_expert = 3 * settings.d_model * settings.expert_hidden
+    return count_parameters(model) - len(moe_layers(model)) * unused * per_expert
+
+
+def _run_job(job: tuple[str, dict]) -> dict:
+    variant, settings = job
+    return run_variant(variant, MoETrainSettings(**settings))
+
+
+def moe_train_sweep(
+    variants: list[str], settings: MoETrainSettings, jobs: int = 2, log=None
+) -> dict:
+    """Run every variant (``jobs`` single-threaded workers); return the JSON-ready results."""
+    start = time.perf_counter()
+    results = map_jobs(_run_job, [(v, asdict(settings)) for v in variants], jobs, log)
+    return {
+        "settings": {
+            **asdict(settings),
+            "variants": variants,
+            "jobs": jobs,
+            "seconds": round(time.perf_counter() - start, 1),
+        },
+        "results": results,
+    }
+
+
+def format_table(sweep: dict) -> str:
+    """One row per variant: final validation loss, parameters, load imbalance at the end."""
+    lines = [f"{'variant':<10}{'val loss':>10}{'params':>10}{'active':>10}{'max/mean load':>15}"]
+    for r in sweep["results"]:
+        imb = r.get("load_imbalance")
+        tail = "-" if imb is None else f"{sum(imb[-50:]) / len(imb[-50:]):.2f}"
+        lines.append(
+            f"{r['variant']:<10}{r['final_val_loss']:>10.4f}{r['parameters']:>10,}"
+            f"{r['active_parameters']:>10,}{tail:>15}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    defaults = MoETrainSettings()
+    p = argparse.ArgumentParser(prog="python -m gpt2kimi.bench moe-train", description=__doc__)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--aux-alpha", type=float, default=defaults.aux_alpha)
+    p.add_argument("--bias-gamma", type=float, default=defaults.bias_gamma)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--jobs", type=int, default=2, help="parallel single-threaded runs")
+    p.add_argument("--out", default=DEFAULT_OUT, help="JSON results file ('-': do not write)")
+    args = p.parse_args(argv)
+    settings = replace(
+        defaults,
+        steps=args.steps,
+        aux_alpha=args.aux_alpha,
+        bias_gamma=args.bias_gamma,
+        seed=args.seed,
+    )
+    sweep = moe_train_sweep(
+        args.variants,
+        settings,
+        args.jobs,
+        log=lambda r: say(f"{r['variant']:<10} val {r['final_val_loss']:.4f} ({r['seconds']} s)"),
+    )
+    sweep["settings"]["machine"] = machine_info(args.jobs)
+    print(format_table(sweep))
+    if args.out != "-":
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(sweep, indent=1) + "\n")
+        print(f"wrote {out}")
