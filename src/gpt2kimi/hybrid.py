@@ -453,10 +453,23 @@ def kda_layer(config: HybridConfig) -> KimiLinearKDA:
     )
 
 
+class KimiLinearMLA(MultiHeadLatentAttention):
+    """Chapter 6's MLA (NoPE) as the hybrid's exact memory: a prompt attends over expanded keys
+    and values, a single decoded token reads the latent cache directly (the absorbed path,
+    ``W_uk`` folded into the query), so a decode step reads ``kv_lora_rank + rope`` numbers
+    per cached token instead of re-expanding every head's key and value."""
+
+    def forward(
+        self, x: Tensor, state: LatentCache | None = None, return_state: bool = False
+    ) -> Tensor | tuple[Tensor, LatentCache]:
+        absorb = state is not None and x.size(1) == 1
+        return super().forward(x, state, absorb=absorb, return_state=return_state)
+
+
 def make_mixer(config: HybridConfig, kind: str) -> nn.Module:
     if kind == "kda":
         return kda_layer(config)
-    return MultiHeadLatentAttention(config.mla_config())
+    return KimiLinearMLA(config.mla_config())
 
 
 def make_ffn(config: HybridConfig, kind: str) -> nn.Module:
