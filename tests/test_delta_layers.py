@@ -42,7 +42,7 @@ def test_layer_decoding_in_pieces_equals_one_call(cls):
     head_dim = D_MODEL // N_HEAD
     assert isinstance(state, DeltaNetState)
     assert state.memory.shape == (2, N_HEAD, head_dim, head_dim)  # the same size at any length
-    assert state.conv_q.shape[0] == 2 and state.conv_q.shape[2] == D_MODEL
+    assert state.conv.shape == (2, 3, 3 * D_MODEL)  # the last conv_size − 1 inputs of q|k|v
 
 
 @pytest.mark.parametrize("cls", LAYERS)

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from operator_inputs import B, H, K, V, random_inputs
 
+from gpt2kimi.backbone import CausalConv1d
 from gpt2kimi.deltanet import (
-    ShortConvolution,
     delta_rule_chunk,
     delta_rule_recurrent,
     l2_normalize,
@@ -105,9 +105,9 @@ def test_bad_chunk_size_raises(chunk_size):
 # small layers
 
 
-def test_short_convolution_is_causal_and_caches():
+def test_causal_conv1d_is_causal_and_caches():
     torch.manual_seed(0)
-    conv = ShortConvolution(6, kernel_size=4).double()
+    conv = CausalConv1d(6, kernel_size=4).double()
     x = torch.randn(2, 10, 6, dtype=torch.float64)
     y, cache = conv(x)
     assert y.shape == x.shape and cache.shape == (2, 3, 6)
@@ -120,8 +120,8 @@ def test_short_convolution_is_causal_and_caches():
     torch.testing.assert_close(torch.cat([y1, y2, y3], dim=1), y)
 
 
-def test_short_convolution_kernel_one_has_empty_cache():
-    conv = ShortConvolution(6, kernel_size=1)
+def test_causal_conv1d_kernel_one_has_empty_cache():
+    conv = CausalConv1d(6, kernel_size=1)
     y, cache = conv(torch.randn(2, 3, 6))
     assert y.shape == (2, 3, 6) and cache.shape == (2, 0, 6)
 

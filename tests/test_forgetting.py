@@ -201,8 +201,8 @@ def test_additive_deltanet_is_deltanets_layer_with_linear_attentions_update():
 def test_kda_without_forgetting_never_decays_and_trains():
     torch.manual_seed(0)
     layer = KDAWithoutForgetting(16, 2, chunk_size=4).double()
-    assert "A_log" not in dict(layer.named_parameters())
-    assert torch.isneginf(layer.A_log).all()
+    assert "forget_gate.A_log" not in dict(layer.named_parameters())
+    assert torch.isneginf(layer.forget_gate.A_log).all()
     x = torch.randn(2, 11, 16, dtype=torch.float64)
     _, state = layer(x, return_state=True)
     # every decay is 1: the memory is the plain delta rule's on the layer's q, k, v and β
@@ -217,7 +217,7 @@ def test_kda_without_forgetting_never_decays_and_trains():
     loss.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert all(torch.isfinite(g).all() for g in grads)
-    f_proj = model.blocks[0].mixer.f_proj
+    f_proj = model.blocks[0].mixer.forget_gate
     assert all(p.grad is None or p.grad.abs().max() == 0 for p in f_proj.parameters())
 
 

@@ -49,7 +49,7 @@ class AdditiveDeltaNet(DeltaNet):
             q, k, v, initial_state=memory, chunk_size=self.chunk_size
         )
         y = self.o_proj(self.o_norm(o).reshape(B, T, d_model))
-        return (y, DeltaNetState(memory, *conv)) if return_state else y
+        return (y, DeltaNetState(memory, conv)) if return_state else y
 
 
 class KDAWithoutForgetting(KimiDeltaAttention):
@@ -65,5 +65,5 @@ class KDAWithoutForgetting(KimiDeltaAttention):
         self, d_model: int, n_head: int, *, conv_size: int = 4, chunk_size: int = 64
     ) -> None:
         super().__init__(d_model, n_head, conv_size=conv_size, chunk_size=chunk_size)
-        del self.A_log  # the learned rate, replaced by a fixed A = 0
-        self.register_buffer("A_log", torch.full((n_head,), float("-inf")))
+        del self.forget_gate.A_log  # the learned rate, replaced by a fixed A = 0
+        self.forget_gate.register_buffer("A_log", torch.full((1, 1, n_head, 1), float("-inf")))

@@ -21,15 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpt2kimi.deltanet import DeltaNet, DeltaNetState, RMSNorm, ut_transform
-from gpt2kimi.linear_attention import (
-    check_operator_inputs,
-    compute_dtype,
-    effective_chunk_size,
-    initial_memory,
-    merge_chunks,
-    split_chunks,
-)
+from gpt2kimi.backbone import RMSNorm
+from gpt2kimi.deltanet import DeltaNet, DeltaNetState, chunk_recurrence, ut_transform
+from gpt2kimi.linear_attention import compute_dtype, merge_chunks, operator_inputs, split_chunks
 
 # ----------------------------------------------------------------------------------------------
 # the operator
@@ -52,14 +46,12 @@ def gated_delta_rule_recurrent(
     q, k: [B, T, H, K]; v: [B, T, H, V]; beta, g: [B, T, H]; initial_state: [B, H, K, V] or None.
     Returns o: [B, T, H, V] in q's dtype and the final state: [B, H, K, V] (fp32 or fp64).
     """
-    check_operator_inputs(q, k, v, beta=beta, g=g, initial_state=initial_state)
-    B, T, H, K = q.shape
-    V, out_dtype, dtype = v.shape[-1], q.dtype, compute_dtype(q)
-    q, k, v, beta, g = (x.to(dtype) for x in (q, k, v, beta, g))
-    q = q * (K**-0.5 if scale is None else scale)
-    S = initial_memory(initial_state, q, B, H, K, V)
+    out_dtype = q.dtype
+    q, k, v, beta, g, S = operator_inputs(
+        q, k, v, beta=beta, g=g, scale=scale, initial_state=initial_state
+    )
     outputs = []
-    for t in range(T):
+    for t in range(q.shape[1]):
         q_t, k_t, v_t, beta_t = q[:, t], k[:, t], v[:, t], beta[:, t, :, None]
         S = torch.exp(g[:, t])[:, :, None, None] * S  # forget: α_t S_{t−1}
         v_old = torch.einsum("bhkv,bhk->bhv", S, k_t)  # read: v_old = (α_t S_{t−1})ᵀ k_t
@@ -112,53 +104,30 @@ def gated_delta_rule_chunk(
     q, k: [B, T, H, K]; v: [B, T, H, V]; beta, g: [B, T, H]; any T (the last chunk is padded
     with g = 0, beta = 0). Returns o: [B, T, H, V] in q's dtype and the final state [B, H, K, V].
     """
-    check_operator_inputs(
-        q, k, v, beta=beta, g=g, initial_state=initial_state, chunk_size=chunk_size
+    out_dtype, T = q.dtype, q.shape[1]
+    q, k, v, beta, g, S = operator_inputs(
+        q, k, v, beta=beta, g=g, scale=scale, initial_state=initial_state, chunk_size=chunk_size
     )
-    B, T, H, K = q.shape
-    V, out_dtype, dtype = v.shape[-1], q.dtype, compute_dtype(q)
-    C = effective_chunk_size(chunk_size, T)
-    # [N, B, H, C, D]; beta [N, B, H, C, 1]; g [N, B, H, C]
-    q, k, v = (split_chunks(x.to(dtype), C) for x in (q, k, v))
-    beta = split_chunks(beta.to(dtype), C)[..., None]
-    g = split_chunks(g.to(dtype), C)
-    q = q * (K**-0.5 if scale is None else scale)
+    q, k, v, g = (split_chunks(x, chunk_size) for x in (q, k, v, g))  # [N, B, H, C, (D)]
+    beta = split_chunks(beta, chunk_size)[..., None]  # [N, B, H, C, 1]
 
-    # γ: cumulative log-decay inside each chunk; the decays below are exponentials of
-    # differences (<= 0), so every factor lies in [0, 1]
+    # every decay is the exponential of a difference of log-sums (<= 0): factors in [0, 1]
     gamma = g.cumsum(dim=-1)  # [N, B, H, C]
-    Gamma = pairwise_decay(gamma)  # Γ_ij = exp(γ_i − γ_j), 0 above the diagonal
-    decay_from_start = gamma.exp()[..., None]  # e^{γ_i}: chunk start -> token i
-    decay_to_end = (gamma[..., -1:] - gamma).exp()[..., None]  # e^{γ_C − γ_i}: token i -> end
-    chunk_decay = gamma[..., -1].exp()[..., None, None]  # e^{γ_C}: the whole chunk
+    Gamma = pairwise_decay(gamma)  # 0 above the diagonal
+    decay_from_start = gamma.exp()[..., None]  # chunk start -> token i
+    decay_to_end = (gamma[..., -1:] - gamma).exp()[..., None]  # token i -> chunk end
 
-    k_beta = beta * k  # diag(β) K
-    # A = StrictLower(diag(β)(K Kᵀ ⊙ Γ))
+    k_beta = beta * k
     A = (k_beta @ k.transpose(-1, -2) * Gamma).tril_(-1)
-    # T = (I + A)⁻¹ (UT transform, one batched triangular solve)
     T_ut = ut_transform(A)
-    # W = T diag(β)(K ⊙ e^γ) and U = T diag(β) V
     W = T_ut @ (k_beta * decay_from_start)
     U = T_ut @ (beta * v)
-    # Q Kᵀ ⊙ Γ: decayed causal intra-chunk scores; Q ⊙ e^γ reads the decayed memory
     scores = q @ k.transpose(-1, -2) * Gamma
-    q_decayed = q * decay_from_start
-    k_decayed = k * decay_to_end
-
-    S = initial_memory(initial_state, q, B, H, K, V)
-    outputs = []
-    # the only sequential part: one chunk at a time, carrying the memory S
-    for q_n, k_n, W_n, U_n, scores_n, decay_n in zip(
-        q_decayed, k_decayed, W, U, scores, chunk_decay, strict=True
-    ):
-        # U' = U − W S
-        u = U_n - W_n @ S
-        # O = (Q ⊙ e^γ) S + (Q Kᵀ ⊙ Γ) U'
-        outputs.append(q_n @ S + scores_n @ u)
-        # S ← e^{γ_C} S + (K ⊙ e^{γ_C − γ})ᵀ U'
-        S = decay_n * S + k_n.transpose(-1, -2) @ u
-    o = merge_chunks(torch.stack(outputs), T)
-    return o.to(out_dtype), S
+    q_decayed = q * decay_from_start  # token i reads the memory as decayed up to i
+    k_decayed = k * decay_to_end  # what token i writes decays on until the chunk ends
+    chunk_decay = gamma[..., -1].exp()[..., None, None]  # e^{γ_C}: the whole chunk
+    o, S = chunk_recurrence(q_decayed, k_decayed, W, U, scores, S, chunk_decay)
+    return merge_chunks(o, T).to(out_dtype), S
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,15 +159,15 @@ OUTPUT_GATES = {"swish": F.silu, "sigmoid": torch.sigmoid}
 
 
 class GatedRMSNorm(RMSNorm):
-    """``RMSNorm(x) · act(gate)`` over the last dim: the output gate of Gated DeltaNet.
+    """``RMSNorm(x) · act(gate)`` over the last dim: the output gate of Gated DeltaNet and KDA.
 
-    ``act`` is swish, as in the paper and fla, or sigmoid (KDA's choice): swish(z) ≈ z/2 near 0,
-    so with small initial weights the swish gate starts near 0 and throttles the layer's output,
-    where a sigmoid gate starts at 1/2.
+    ``act`` is swish (Gated DeltaNet's paper and fla) or sigmoid (Kimi Delta Attention's):
+    swish(z) ≈ z/2 near 0, so with small initial weights a swish gate starts near 0 and
+    throttles the layer's output, where a sigmoid gate starts at 1/2.
     """
 
-    def __init__(self, dim: int, activation: str = "swish") -> None:
-        super().__init__(dim)
+    def __init__(self, dim: int, activation: str = "swish", eps: float = 1e-5) -> None:
+        super().__init__(dim, eps)
         if activation not in OUTPUT_GATES:
             raise ValueError(
                 f"unknown output gate {activation!r}; expected one of {sorted(OUTPUT_GATES)}"
@@ -221,34 +190,25 @@ class GatedDeltaNet(DeltaNet):
     dt ~ logU(1e-3, 0.1)); y = Linear(RMSNorm(o) · swish(g_proj x)). ``output_gate="sigmoid"``
     uses sigmoid instead of swish in the output gate (chapter 5 compares the two).
 
-    Stepwise decoding: ``forward(x, state, return_state=True)`` returns ``(y, state)`` with
-    ``state`` a ``DeltaNetState`` (memory [B, H, K, V] and the three convolution caches);
-    feeding a sequence in pieces, passing the state on, equals one call.
+    Options and stepwise decoding as in :class:`~gpt2kimi.deltanet.DeltaNet`
+    (``DeltaNetState``).
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        n_head: int,
-        *,
-        conv_size: int = 4,
-        chunk_size: int = 64,
-        output_gate: str = "swish",
-    ) -> None:
-        super().__init__(d_model, n_head, conv_size=conv_size, chunk_size=chunk_size)
+    def __init__(self, d_model: int, n_head: int, *, output_gate: str = "swish", **options) -> None:
+        super().__init__(d_model, n_head, **options)  # head_dim, conv_size, chunk_size, norm_eps
         # the forgetting gate: one log-decay per head and token
         self.a_proj = nn.Linear(d_model, n_head, bias=False)
         self.A_log = nn.Parameter(init_A_log(n_head))
         self.dt_bias = nn.Parameter(init_dt_bias(n_head))
         # the output gate: RMSNorm(o) · swish(g_proj x)
-        self.g_proj = nn.Linear(d_model, d_model, bias=False)
-        self.o_norm = GatedRMSNorm(self.head_dim, output_gate)
+        self.g_proj = nn.Linear(d_model, n_head * self.head_dim, bias=False)
+        self.o_norm = GatedRMSNorm(self.head_dim, output_gate, self.o_norm.eps)
 
     def forward(
         self, x: Tensor, state: DeltaNetState | None = None, return_state: bool = False
     ) -> Tensor | tuple[Tensor, DeltaNetState]:
         """x: [B, T, d_model] -> y: [B, T, d_model] (and the new state, if ``return_state``)."""
-        B, T, d_model = x.shape
+        B, T, _ = x.shape
         q, k, v, conv = self.qkv(x, state)
         beta = torch.sigmoid(self.b_proj(x))  # [B, T, H]
         g = log_decay(self.a_proj(x), self.A_log, self.dt_bias)  # [B, T, H], <= 0
@@ -257,5 +217,5 @@ class GatedDeltaNet(DeltaNet):
             q, k, v, beta, g, initial_state=memory, chunk_size=self.chunk_size
         )
         gate = self.g_proj(x).view(B, T, self.n_head, self.head_dim)
-        y = self.o_proj(self.o_norm(o, gate).reshape(B, T, d_model))
-        return (y, DeltaNetState(memory, *conv)) if return_state else y
+        y = self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))
+        return (y, DeltaNetState(memory, conv)) if return_state else y

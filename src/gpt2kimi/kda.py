@@ -18,16 +18,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from gpt2kimi.deltanet import DeltaNet, DeltaNetState, ut_transform
-from gpt2kimi.gated_deltanet import init_A_log, init_dt_bias, log_decay, masked_exp
-from gpt2kimi.linear_attention import (
-    check_operator_inputs,
-    compute_dtype,
-    effective_chunk_size,
-    initial_memory,
-    merge_chunks,
-    split_chunks,
+from gpt2kimi.deltanet import DeltaNet, DeltaNetState, chunk_recurrence, ut_transform
+from gpt2kimi.gated_deltanet import (
+    GatedRMSNorm,
+    init_A_log,
+    init_dt_bias,
+    log_decay,
+    masked_exp,
 )
+from gpt2kimi.linear_attention import merge_chunks, operator_inputs, split_chunks
 
 # ----------------------------------------------------------------------------------------------
 # the operator
@@ -49,16 +48,12 @@ def kda_recurrent(
     q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; initial_state: [B, H, K, V] or None.
     Returns o: [B, T, H, V] in q's dtype and the final state: [B, H, K, V] (fp32 or fp64).
     """
-    check_operator_inputs(
-        q, k, v, beta=beta, g=g, per_channel_gate=True, initial_state=initial_state
+    out_dtype = q.dtype
+    q, k, v, beta, g, S = operator_inputs(
+        q, k, v, beta=beta, gk=g, scale=scale, initial_state=initial_state
     )
-    B, T, H, K = q.shape
-    V, out_dtype, dtype = v.shape[-1], q.dtype, compute_dtype(q)
-    q, k, v, beta, g = (x.to(dtype) for x in (q, k, v, beta, g))
-    q = q * (K**-0.5 if scale is None else scale)
-    S = initial_memory(initial_state, q, B, H, K, V)
     outputs = []
-    for t in range(T):
+    for t in range(q.shape[1]):
         q_t, k_t, v_t, beta_t = q[:, t], k[:, t], v[:, t], beta[:, t, :, None]
         S = torch.exp(g[:, t])[..., None] * S  # forget, row by row: Diag(α_t) S_{t−1}
         v_old = torch.einsum("bhkv,bhk->bhv", S, k_t)  # read: v_old = (Diag(α_t) S_{t−1})ᵀ k_t
@@ -144,111 +139,90 @@ def kda_chunk(
     q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; any T (the last chunk is padded
     with g = 0, beta = 0). Returns o: [B, T, H, V] in q's dtype and the final state [B, H, K, V].
     """
-    check_operator_inputs(
-        q,
-        k,
-        v,
-        beta=beta,
-        g=g,
-        per_channel_gate=True,
-        initial_state=initial_state,
-        chunk_size=chunk_size,
+    out_dtype, T = q.dtype, q.shape[1]
+    q, k, v, beta, g, S = operator_inputs(
+        q, k, v, beta=beta, gk=g, scale=scale, initial_state=initial_state, chunk_size=chunk_size
     )
-    B, T, H, K = q.shape
-    V, out_dtype, dtype = v.shape[-1], q.dtype, compute_dtype(q)
-    C = effective_chunk_size(chunk_size, T)
-    # [N, B, H, C, D]; beta [N, B, H, C, 1]; g [N, B, H, C, K]
-    q, k, v, g = (split_chunks(x.to(dtype), C) for x in (q, k, v, g))
-    beta = split_chunks(beta.to(dtype), C)[..., None]
-    q = q * (K**-0.5 if scale is None else scale)
+    q, k, v, g = (split_chunks(x, chunk_size) for x in (q, k, v, g))  # [N, B, H, C, D]
+    beta = split_chunks(beta, chunk_size)[..., None]  # [N, B, H, C, 1]
 
-    # γ: cumulative log-decay of every channel inside each chunk
-    gamma = g.cumsum(dim=-2)  # [N, B, H, C, K]
-    decay_from_start = gamma.exp()  # e^{γ_i}: chunk start -> token i, per channel
-    decay_to_end = (gamma[..., -1:, :] - gamma).exp()  # e^{γ_C − γ_i}: token i -> chunk end
-    chunk_decay = gamma[..., -1, :].exp()[..., None]  # Diag(e^{γ_C}) as a column [.., K, 1]
-
-    # the decayed pairwise products K Kᵀ ⊙ Γ (for A) and Q Kᵀ ⊙ Γ (for O), chunk by chunk
-    # so that the per-channel decay tensor exists for one chunk at a time
-    kk, scores = [], []
-    for q_n, k_n, gamma_n in zip(q, k, gamma, strict=True):
-        kk_n, scores_n = decayed_products(q_n, k_n, gamma_n)
-        kk.append(kk_n)
-        scores.append(scores_n)
-    kk, scores = torch.stack(kk), torch.stack(scores)
-    # A = StrictLower(diag(β)(K Kᵀ ⊙ Γ))
-    A = (beta * kk).tril(-1)
-    # T = (I + A)⁻¹ (UT transform, one batched triangular solve)
-    T_ut = ut_transform(A)
-    # W = T diag(β)(K ⊙ e^γ) and U = T diag(β) V
+    gamma = g.cumsum(dim=-2)  # per channel: [N, B, H, C, K]
+    decay_from_start = gamma.exp()
+    decay_to_end = (gamma[..., -1:, :] - gamma).exp()
+    # per-channel decays do not factor out of K Kᵀ and Q Kᵀ: one chunk at a time, so that the
+    # [C, C, K] decay tensor exists for one chunk only
+    products = [decayed_products(*chunk) for chunk in zip(q, k, gamma, strict=True)]
+    kk, scores = (torch.stack(p) for p in zip(*products, strict=True))  # K Kᵀ ⊙ Γ, Q Kᵀ ⊙ Γ
+    T_ut = ut_transform((beta * kk).tril(-1))
     W = T_ut @ (beta * k * decay_from_start)
     U = T_ut @ (beta * v)
-    q_decayed = q * decay_from_start
-    k_decayed = k * decay_to_end
-
-    S = initial_memory(initial_state, q, B, H, K, V)
-    outputs = []
-    # the only sequential part: one chunk at a time, carrying the memory S
-    for q_n, k_n, W_n, U_n, scores_n, decay_n in zip(
-        q_decayed, k_decayed, W, U, scores, chunk_decay, strict=True
-    ):
-        # U' = U − W S
-        u = U_n - W_n @ S
-        # O = (Q ⊙ e^γ) S + (Q Kᵀ ⊙ Γ) U'
-        outputs.append(q_n @ S + scores_n @ u)
-        # S ← Diag(e^{γ_C}) S + (K ⊙ e^{γ_C − γ})ᵀ U'
-        S = decay_n * S + k_n.transpose(-1, -2) @ u
-    o = merge_chunks(torch.stack(outputs), T)
-    return o.to(out_dtype), S
+    chunk_decay = gamma[..., -1, :].exp()[..., None]  # Diag(e^{γ_C}) as a column [..., K, 1]
+    o, S = chunk_recurrence(q * decay_from_start, k * decay_to_end, W, U, scores, S, chunk_decay)
+    return merge_chunks(o, T).to(out_dtype), S
 
 
 # ----------------------------------------------------------------------------------------------
 # the layer
 
 
+class ForgetGate(nn.Module):
+    """KDA's forget gate: one log-decay per head and key channel, from a low-rank projection.
+
+    ``g = −exp(A_log) · softplus(f_b(f_a(x)) + dt_bias)`` with ``f_a: d_model → head_dim`` and
+    ``f_b: head_dim → H · head_dim``; the rate ``A = exp(A_log)`` is one per head (stored as
+    [1, 1, H, 1], Kimi Linear's layout), ``dt_bias`` one per channel. x [B, T, d_model] →
+    g [B, T, H, head_dim], <= 0.
+    """
+
+    def __init__(self, d_model: int, n_head: int, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.f_a_proj = nn.Linear(d_model, head_dim, bias=False)
+        self.f_b_proj = nn.Linear(head_dim, n_head * head_dim, bias=False)
+        self.A_log = nn.Parameter(init_A_log(n_head).view(1, 1, n_head, 1))
+        self.dt_bias = nn.Parameter(init_dt_bias(n_head * head_dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        a = self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (-1, self.head_dim))
+        return log_decay(a, self.A_log, self.dt_bias.view(-1, self.head_dim))
+
+
 class KimiDeltaAttention(DeltaNet):
     """The Kimi Delta Attention token mixer: DeltaNet with per-channel forgetting and output gate.
 
     q, k = L2Norm(SiLU(ShortConv(Linear x))); v = SiLU(ShortConv(Linear x)); β = sigmoid(Linear x)
-    (as in ``DeltaNet``); the gate g = −exp(A_log) · softplus(f_proj(x) + dt_bias), one log-decay
-    per head and key channel, with ``f_proj`` low-rank (d_model -> head_dim -> d_model), A_log
-    per head and dt_bias per channel; y = Linear(sigmoid(g_proj x) ⊙ RMSNorm(o)) with ``g_proj``
-    low-rank too.
+    (as in ``DeltaNet``); g from the :class:`ForgetGate`, one log-decay per head and key
+    channel; y = Linear(RMSNorm(o) ⊙ sigmoid(g_b(g_a x))), the output gate low-rank too.
 
-    Stepwise decoding: ``forward(x, state, return_state=True)`` returns ``(y, state)`` with
-    ``state`` a ``DeltaNetState`` (memory [B, H, K, V] and the three convolution caches);
-    feeding a sequence in pieces, passing the state on, equals one call.
+    The parameters carry the names and shapes of ``transformers``' ``KimiLinearDeltaAttention``
+    (``q_proj``, ``conv1d``, ``forget_gate.*``, ``b_proj``, ``g_a_proj``, ``g_b_proj``,
+    ``o_norm``, ``o_proj``): with Kimi Linear's options (``head_dim`` = its
+    ``linear_head_dim``, ``conv_size`` its kernel, ``norm_eps`` its ``rms_norm_eps``,
+    ``output_gate_bias=False``) its weights load with ``load_state_dict`` as they are. The
+    defaults are chapter 5's layer (head_dim = d_model / n_head, a bias on ``g_b_proj``).
+    Stepwise decoding as in :class:`~gpt2kimi.deltanet.DeltaNet` (``DeltaNetState``).
     """
 
     def __init__(
-        self, d_model: int, n_head: int, *, conv_size: int = 4, chunk_size: int = 64
+        self, d_model: int, n_head: int, *, output_gate_bias: bool = True, **options
     ) -> None:
-        super().__init__(d_model, n_head, conv_size=conv_size, chunk_size=chunk_size)
-        rank = self.head_dim
-        # the forgetting gate: one log-decay per head, key channel and token, from a low rank
-        self.f_proj = nn.Sequential(
-            nn.Linear(d_model, rank, bias=False), nn.Linear(rank, d_model, bias=False)
-        )
-        self.A_log = nn.Parameter(init_A_log(n_head))
-        self.dt_bias = nn.Parameter(init_dt_bias(d_model))
-        # the output gate: sigmoid(g_proj x) ⊙ RMSNorm(o), also low rank
-        self.g_proj = nn.Sequential(
-            nn.Linear(d_model, rank, bias=False), nn.Linear(rank, d_model, bias=True)
-        )
+        super().__init__(d_model, n_head, **options)  # head_dim, conv_size, chunk_size, norm_eps
+        H, D = self.n_head, self.head_dim
+        self.forget_gate = ForgetGate(d_model, H, D)
+        self.g_a_proj = nn.Linear(d_model, D, bias=False)
+        self.g_b_proj = nn.Linear(D, H * D, bias=output_gate_bias)
+        self.o_norm = GatedRMSNorm(D, "sigmoid", self.o_norm.eps)
 
     def forward(
         self, x: Tensor, state: DeltaNetState | None = None, return_state: bool = False
     ) -> Tensor | tuple[Tensor, DeltaNetState]:
         """x: [B, T, d_model] -> y: [B, T, d_model] (and the new state, if ``return_state``)."""
-        B, T, d_model = x.shape
-        H, D = self.n_head, self.head_dim
+        B, T, _ = x.shape
         q, k, v, conv = self.qkv(x, state)
         beta = torch.sigmoid(self.b_proj(x))  # [B, T, H]
-        g = log_decay(  # [B, T, H, K], <= 0; A_log is shared by the channels of a head
-            self.f_proj(x).view(B, T, H, D), self.A_log[:, None], self.dt_bias.view(H, D)
-        )
+        g = self.forget_gate(x)  # [B, T, H, K], <= 0
         memory = None if state is None else state.memory
         o, memory = kda_chunk(q, k, v, beta, g, initial_state=memory, chunk_size=self.chunk_size)
-        gate = torch.sigmoid(self.g_proj(x).view(B, T, H, D))
-        y = self.o_proj((gate * self.o_norm(o)).reshape(B, T, d_model))
-        return (y, DeltaNetState(memory, *conv)) if return_state else y
+        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, self.n_head, self.head_dim)
+        y = self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))
+        return (y, DeltaNetState(memory, conv)) if return_state else y

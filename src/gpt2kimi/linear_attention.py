@@ -29,49 +29,48 @@ from torch import Tensor, nn
 # helpers shared by every linear-memory operator of the book
 
 
-def _shape(x: Tensor) -> list[int]:
-    return list(x.shape)
+# The layout of every operator input, by name: (the name errors use, its dimensions). Gated
+# DeltaNet's log-decay g has one value per head; KDA's, ``gk`` here, one per key channel.
+LAYOUTS = {
+    "k": ("k", "BTHK"),
+    "v": ("v", "BTHV"),
+    "beta": ("beta", "BTH"),
+    "g": ("g", "BTH"),
+    "gk": ("g", "BTHK"),
+    "initial_state": ("initial_state", "BHKV"),
+}
 
 
 def check_operator_inputs(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    beta: Tensor | None = None,
-    g: Tensor | None = None,
-    per_channel_gate: bool = False,
-    initial_state: Tensor | None = None,
-    chunk_size: int | None = None,
+    q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int | None = None, **inputs: Tensor | None
 ) -> None:
     """Raise ``ValueError`` naming the expected shape when an operator's inputs do not fit.
 
-    q, k: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; g: [B, T, H] (or [B, T, H, K] when
-    ``per_channel_gate``); initial_state: [B, H, K, V]; chunk_size >= 1.
+    q, k: [B, T, H, K] with T >= 1; v: [B, T, H, V]; the optional ``inputs`` by their names in
+    :data:`LAYOUTS` (beta [B, T, H], g [B, T, H], gk [B, T, H, K], initial_state [B, H, K, V]);
+    chunk_size a positive integer.
     """
     if q.dim() != 4:
-        raise ValueError(f"q must have shape [B, T, H, K], got {_shape(q)}")
+        raise ValueError(f"q must have shape [B, T, H, K], got {list(q.shape)}")
     B, T, H, K = q.shape
     if T < 1:
-        raise ValueError(f"q must hold at least one token (T >= 1), got shape {_shape(q)}")
-    if k.shape != q.shape:
-        raise ValueError(f"k must have shape [B, T, H, K] = {[B, T, H, K]} like q, got {_shape(k)}")
-    if v.dim() != 4 or v.shape[:3] != (B, T, H):
-        raise ValueError(f"v must have shape [B, T, H, V] = [{B}, {T}, {H}, V], got {_shape(v)}")
-    V = v.shape[-1]
-    if beta is not None and beta.shape != (B, T, H):
-        raise ValueError(f"beta must have shape [B, T, H] = {[B, T, H]}, got {_shape(beta)}")
-    if g is not None:
-        expected, name = (
-            ((B, T, H, K), "[B, T, H, K]") if per_channel_gate else ((B, T, H), "[B, T, H]")
-        )
-        if g.shape != expected:
-            raise ValueError(f"g must have shape {name} = {list(expected)}, got {_shape(g)}")
-    if initial_state is not None and initial_state.shape != (B, H, K, V):
-        raise ValueError(
-            f"initial_state must have shape [B, H, K, V] = {[B, H, K, V]}, "
-            f"got {_shape(initial_state)}"
-        )
+        raise ValueError(f"q must hold at least one token (T >= 1), got shape {list(q.shape)}")
+    sizes = dict(B=B, T=T, H=H, K=K, V=None)  # V: v's own last size, once v is checked
+    for name, x in {"k": k, "v": v, **inputs}.items():
+        if x is None:
+            continue
+        shown, dims = LAYOUTS[name]
+        expected = [sizes[d] for d in dims]  # None: any size
+        if x.dim() != len(dims) or any(
+            e not in (None, n) for e, n in zip(expected, x.shape, strict=True)
+        ):
+            want = [d if e is None else str(e) for d, e in zip(dims, expected, strict=True)]
+            raise ValueError(
+                f"{shown} must have shape [{', '.join(dims)}] = [{', '.join(want)}], "
+                f"got {list(x.shape)}"
+            )
+        if name == "v":
+            sizes["V"] = v.shape[-1]
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
 
@@ -81,17 +80,39 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def initial_memory(
-    initial_state: Tensor | None, like: Tensor, B: int, H: int, K: int, V: int
-) -> Tensor:
-    """The state ``S_0`` [B, H, K, V] in ``like``'s dtype/device: zeros when none is given."""
+def operator_inputs(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float | None,
+    initial_state: Tensor | None,
+    chunk_size: int | None = None,
+    **gates: Tensor,
+) -> tuple[Tensor, ...]:
+    """The opening of every memory operator: check the inputs, then return
+    ``(q, k, v, *gates, S_0)`` ready to compute with.
+
+    The tensors come back in fp32 or wider (:func:`compute_dtype`), q multiplied by ``scale``
+    (default ``K ** -0.5``), the gates (``beta=``, ``g=``, ``gk=``: see :data:`LAYOUTS`) in the
+    order given; ``S_0`` [B, H, K, V] is ``initial_state`` in that dtype, or zeros.
+    """
+    check_operator_inputs(q, k, v, initial_state=initial_state, chunk_size=chunk_size, **gates)
+    dtype = compute_dtype(q)
+    q, k, v, *rest = (x.to(dtype) for x in (q, k, v, *gates.values()))
+    B, T, H, K = q.shape
+    q = q * (K**-0.5 if scale is None else scale)
     if initial_state is None:
-        return like.new_zeros(B, H, K, V)
-    return initial_state.to(like)
+        S = q.new_zeros(B, H, K, v.shape[-1])
+    else:
+        S = initial_state.to(q)
+    return (q, k, v, *rest, S)
 
 
 def split_chunks(x: Tensor, chunk_size: int) -> Tensor:
     """[B, T, H, *rest] -> [N, B, H, C, *rest] with N = ceil(T / C), zero-padding the last chunk.
+
+    C is ``chunk_size``, or T when the sequence is shorter (one shorter chunk, no padding).
 
     Chunks come first so that ``x[n]`` (one chunk of every head) is a contiguous block: the
     loops over chunks then feed matmuls without copies. Heads become a batch dimension.
@@ -99,6 +120,7 @@ def split_chunks(x: Tensor, chunk_size: int) -> Tensor:
     beta = 0 and log-decay g = 0 (decay 1), so it neither writes to nor erases the memory.
     """
     B, T, H, *rest = x.shape
+    chunk_size = min(chunk_size, T)
     n_chunks = -(-T // chunk_size)
     pad = n_chunks * chunk_size - T
     if pad:
@@ -111,11 +133,6 @@ def merge_chunks(x: Tensor, T: int) -> Tensor:
     """[N, B, H, C, D] -> [B, T, H, D]: undo ``split_chunks`` and drop the padding."""
     N, B, H, C, D = x.shape
     return x.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, D)[:, :T]
-
-
-def effective_chunk_size(chunk_size: int, T: int) -> int:
-    """A sequence shorter than one chunk is a single, shorter chunk (no padding to waste)."""
-    return min(chunk_size, T)
 
 
 def head_dim_of(d_model: int, n_head: int) -> int:
@@ -143,14 +160,10 @@ def linear_attention_recurrent(
     q, k: [B, T, H, K]; v: [B, T, H, V]; initial_state: [B, H, K, V] or None (zeros).
     Returns o: [B, T, H, V] in q's dtype and the final state S_T: [B, H, K, V] (fp32 or fp64).
     """
-    check_operator_inputs(q, k, v, initial_state=initial_state)
-    B, T, H, K = q.shape
-    V, out_dtype, dtype = v.shape[-1], q.dtype, compute_dtype(q)
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    q = q * (K**-0.5 if scale is None else scale)
-    S = initial_memory(initial_state, q, B, H, K, V)
+    out_dtype = q.dtype
+    q, k, v, S = operator_inputs(q, k, v, scale=scale, initial_state=initial_state)
     outputs = []
-    for t in range(T):
+    for t in range(q.shape[1]):
         q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]  # [B, H, K], [B, H, K], [B, H, V]
         S = S + torch.einsum("bhk,bhv->bhkv", k_t, v_t)  # S_t = S_{t-1} + k_t v_tᵀ
         outputs.append(torch.einsum("bhkv,bhk->bhv", S, q_t))  # o_t = S_tᵀ q_t
@@ -170,13 +183,10 @@ def linear_attention_parallel(
     q, k: [B, T, H, K]; v: [B, T, H, V]; initial_state: [B, H, K, V] or None.
     Returns o: [B, T, H, V] and the final state ``S_T = S_0 + Kᵀ V``: [B, H, K, V].
     """
-    check_operator_inputs(q, k, v, initial_state=initial_state)
-    B, T, H, K = q.shape
-    V, out_dtype, dtype = v.shape[-1], q.dtype, compute_dtype(q)
+    out_dtype = q.dtype
+    q, k, v, S0 = operator_inputs(q, k, v, scale=scale, initial_state=initial_state)
     # heads become a batch dimension: [B, H, T, D]
-    q, k, v = (x.to(dtype).transpose(1, 2) for x in (q, k, v))
-    q = q * (K**-0.5 if scale is None else scale)
-    S0 = initial_memory(initial_state, q, B, H, K, V)
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     scores = (q @ k.transpose(-1, -2)).tril()  # Q Kᵀ ⊙ M: token t reads tokens j <= t
     o = scores @ v + q @ S0  # what the sequence wrote, plus what the initial memory holds
     S = S0 + k.transpose(-1, -2) @ v  # S_T = S_0 + Σ_t k_t v_tᵀ
@@ -199,16 +209,14 @@ def linear_attention_chunk(
     q, k: [B, T, H, K]; v: [B, T, H, V]; any T (the last chunk is zero-padded internally).
     Returns o: [B, T, H, V] and the final state: [B, H, K, V].
     """
-    check_operator_inputs(q, k, v, initial_state=initial_state, chunk_size=chunk_size)
-    B, T, H, K = q.shape
-    V, out_dtype, dtype = v.shape[-1], q.dtype, compute_dtype(q)
-    C = effective_chunk_size(chunk_size, T)
+    out_dtype, T = q.dtype, q.shape[1]
+    q, k, v, S = operator_inputs(
+        q, k, v, scale=scale, initial_state=initial_state, chunk_size=chunk_size
+    )
     # [N, B, H, C, D]: every chunk of every head is one small matrix
-    q, k, v = (split_chunks(x.to(dtype), C) for x in (q, k, v))
-    q = q * (K**-0.5 if scale is None else scale)
+    q, k, v = (split_chunks(x, chunk_size) for x in (q, k, v))
     # the intra-chunk scores of all chunks at once: Q Kᵀ ⊙ M
     scores = (q @ k.transpose(-1, -2)).tril_()
-    S = initial_memory(initial_state, q, B, H, K, V)
     outputs = []
     # the only sequential part: one chunk [B, H, C, D] at a time, carrying the memory S
     for q_n, k_n, v_n, scores_n in zip(q, k, v, scores, strict=True):
