@@ -224,13 +224,13 @@ RATIOS: dict[str, tuple[str, ...]] = {
     "all-KDA": ("kda", "kda", "kda", "kda"),
 }
 LM_TRAINING = dict(
-    steps=300, batch_size=16, block_size=128, lr=3e-3, warmup_steps=30, eval_interval=50,
+    steps=200, batch_size=16, block_size=64, lr=3e-3, warmup_steps=20, eval_interval=25,
     eval_batches=4, bias_gamma=1e-3,
 )
 
 
 def gpt2_baseline_config(
-    active_params: int, config: HybridConfig = LM_CONFIG, block_size: int = 128
+    active_params: int, config: HybridConfig = LM_CONFIG, block_size: int = 64
 ) -> GPT2Config:
     """GPT-2 of the hybrid's depth whose width makes its parameters closest to
     ``active_params`` (widths in steps of the head count, 2)."""
@@ -242,7 +242,7 @@ def gpt2_baseline_config(
     return gpt2(min(widths, key=lambda w: abs(gpt2_param_count(gpt2(w)) - active_params)))
 
 
-def lm_model(name: str, config: HybridConfig = LM_CONFIG, block_size: int = 128) -> nn.Module:
+def lm_model(name: str, config: HybridConfig = LM_CONFIG, block_size: int = 64) -> nn.Module:
     """``"gpt2"`` (the baseline of equal active parameters) or a ratio name of :data:`RATIOS`."""
     if name == "gpt2":
         return GPT2(gpt2_baseline_config(count_params(config).active, config, block_size))
