@@ -11,6 +11,7 @@ from gpt2kimi.moe import (
     MoEConfig,
     dense_equivalent,
     load_balancing_loss,
+    moe_ffn,
     moe_param_counts,
     moe_reference,
     route,
@@ -318,3 +319,18 @@ def test_wrong_width_is_rejected():
     moe = MoE(MoEConfig(**GROUPED))
     with pytest.raises(ValueError, match="d_model=32"):
         moe(torch.randn(2, 3, 31))
+
+
+def test_moe_ffn_in_the_backbone_through_the_zoo():
+    from gpt2kimi.zoo import FFNS, build_model
+
+    assert FFNS["moe"] is moe_ffn
+    torch.manual_seed(0)
+    model = build_model("softmax", BackboneConfig(vocab_size=32, d_model=16, n_head=2), ffn="moe")
+    layers = [block.ffn for block in model.blocks]
+    assert all(isinstance(m, MoE) for m in layers)
+    assert (layers[0].config.n_experts, layers[0].config.top_k) == (8, 2)
+    idx = torch.randint(0, 32, (2, 10))
+    _, loss = model(idx, idx)
+    loss.backward()
+    assert layers[0].experts.gate_up_proj.grad.abs().sum() > 0

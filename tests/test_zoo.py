@@ -65,8 +65,8 @@ def test_hybrids_by_name_and_mixer_keyword_arguments():
 def test_unknown_names_list_the_known_ones():
     with pytest.raises(ValueError, match="unknown mixer 'mamba'.*softmax"):
         build_model("mamba", TINY)
-    with pytest.raises(ValueError, match="unknown feed-forward 'moe'"):
-        build_model("linear", TINY, ffn="moe")
+    with pytest.raises(ValueError, match="unknown feed-forward 'geglu'.*moe"):
+        build_model("linear", TINY, ffn="geglu")
 
 
 def test_feed_forward_by_name_or_constructor():

@@ -326,6 +326,22 @@ def dense_equivalent(config: MoEConfig) -> SwiGLU:
     return SwiGLU(config.d_model, config.active_hidden)
 
 
+def moe_ffn(
+    d_model: int,
+    n_experts: int = 8,
+    top_k: int = 2,
+    n_shared_experts: int = 1,
+    expert_hidden: int | None = None,
+) -> MoE:
+    """A feed-forward constructor for :class:`gpt2kimi.backbone.LanguageModel`.
+
+    By default 8 experts, top-2, one shared, each expert ``d_model`` wide, so that a token's
+    active width ``(2 + 1) · d_model`` is close to the backbone's default SwiGLU (``8/3 · d``).
+    """
+    hidden = d_model if expert_hidden is None else expert_hidden
+    return MoE(MoEConfig(d_model, n_experts, top_k, hidden, n_shared_experts=n_shared_experts))
+
+
 def moe_param_counts(config: MoEConfig) -> tuple[int, int]:
     """(total, active) parameters of one MoE layer: router, E (or k) experts, shared experts."""
     d, I = config.d_model, config.expert_hidden

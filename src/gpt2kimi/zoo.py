@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, replace
+from dataclasses import fields, replace
 from functools import partial
 
 import torch
@@ -22,10 +22,12 @@ from gpt2kimi.ablations import AdditiveDeltaNet, KDAWithoutForgetting
 from gpt2kimi.attention import SoftmaxAttention
 from gpt2kimi.backbone import BackboneConfig, FFNFactory, LanguageModel, MixerFactory, SwiGLU
 from gpt2kimi.deltanet import DeltaNet
+from gpt2kimi.experiment import cell_mean, rounded, training_settings
 from gpt2kimi.gated_deltanet import GatedDeltaNet
 from gpt2kimi.kda import KimiDeltaAttention
 from gpt2kimi.linear_attention import LinearAttention
 from gpt2kimi.mla import mla_mixer
+from gpt2kimi.moe import moe_ffn
 from gpt2kimi.mqar import MQARConfig, MQARTraining, map_jobs, train_mqar
 
 MIXERS: dict[str, MixerFactory] = {
@@ -53,6 +55,8 @@ MIXERS: dict[str, MixerFactory] = {
 
 FFNS: dict[str, FFNFactory] = {
     "swiglu": SwiGLU,
+    # chapter 7: 8 SwiGLU experts of width d, top-2, one shared expert
+    "moe": moe_ffn,
 }
 
 
@@ -104,53 +108,56 @@ MQAR_D_MODEL = 64
 MQAR_N_LAYER = 2
 MQAR_N_HEAD = 2
 MQAR_SHORT_CONV = 2
+# what a results file records of the backbone
+RECORDED_BACKBONE = ("d_model", "n_layer", "n_head", "short_conv")
+BACKBONE_FIELDS = {f.name for f in fields(BackboneConfig)}
 
 
-def mqar_model_config(
-    vocab_size: int = MQAR_VOCAB,
-    d_model: int = MQAR_D_MODEL,
-    n_layer: int = MQAR_N_LAYER,
-    n_head: int = MQAR_N_HEAD,
-    short_conv: int = MQAR_SHORT_CONV,
-) -> BackboneConfig:
-    """The backbone used for MQAR: no positions (NoPE), a short convolution before each mixer."""
-    return BackboneConfig(
-        vocab_size=vocab_size,
-        d_model=d_model,
-        n_layer=n_layer,
-        n_head=n_head,
-        short_conv=short_conv,
+def mqar_model_config(vocab_size: int = MQAR_VOCAB, **backbone) -> BackboneConfig:
+    """The backbone used for MQAR: no positions (NoPE), a short convolution before each mixer.
+
+    ``backbone`` overrides its other fields (``d_model``, ``n_layer``, ``n_head``, ...).
+    """
+    defaults = dict(
+        d_model=MQAR_D_MODEL, n_layer=MQAR_N_LAYER, n_head=MQAR_N_HEAD, short_conv=MQAR_SHORT_CONV
     )
+    return BackboneConfig(vocab_size=vocab_size, **{**defaults, **backbone})
+
+
+def mqar_setup(**kwargs) -> tuple[dict, BackboneConfig, dict]:
+    """Sort :func:`run_mqar`'s keyword arguments: the task's (``vocab_size``, ``seq_len``), the
+    backbone (:func:`mqar_model_config` with the :class:`BackboneConfig` fields given) and the
+    rest, which go to the mixer."""
+    task = {"vocab_size": kwargs.pop("vocab_size", MQAR_VOCAB)}
+    task["seq_len"] = kwargs.pop("seq_len", MQAR_SEQ_LEN)
+    backbone = {k: kwargs.pop(k) for k in list(kwargs) if k in BACKBONE_FIELDS}
+    return task, mqar_model_config(task["vocab_size"], **backbone), kwargs
 
 
 def run_mqar(
     mixer: str,
     num_pairs: int,
     *,
-    vocab_size: int = MQAR_VOCAB,
-    seq_len: int = MQAR_SEQ_LEN,
-    d_model: int = MQAR_D_MODEL,
-    n_layer: int = MQAR_N_LAYER,
-    n_head: int = MQAR_N_HEAD,
-    short_conv: int = MQAR_SHORT_CONV,
     training: MQARTraining | None = None,
     seed: int = 0,
-    **mixer_kwargs,
+    **kwargs,
 ) -> dict:
     """Train the named mixer's model on MQAR with ``num_pairs`` pairs; return a result record.
 
-    The record holds ``mixer``, ``num_pairs``, ``seed``, ``accuracy`` (fraction of queried values
-    recalled on the shared test set), ``seconds`` and ``final_loss``. The model's initialisation
-    and the training data both follow ``seed``; everything else is held equal across mixers.
+    ``kwargs``: the task's ``vocab_size`` and ``seq_len``, the backbone's fields (``d_model``,
+    ``n_layer``, ``n_head``, ``short_conv``, ...) and the mixer's keyword arguments
+    (:func:`mqar_setup`); every default is the chapter-3 setting. The record holds ``mixer``,
+    ``num_pairs``, ``seed``, ``accuracy`` (fraction of queried values recalled on the shared
+    test set), ``seconds`` and ``final_loss``. The model's initialisation and the training data
+    both follow ``seed``; everything else is held equal across mixers.
     """
     training = MQARTraining(seed=seed) if training is None else replace(training, seed=seed)
-    task = MQARConfig(vocab_size=vocab_size, seq_len=seq_len, num_pairs=num_pairs)
+    task, config, mixer_kwargs = mqar_setup(**kwargs)
+    task = MQARConfig(num_pairs=num_pairs, **task)
     torch.manual_seed(seed)
-    config = mqar_model_config(vocab_size, d_model, n_layer, n_head, short_conv)
     model = build_model(mixer, config, **mixer_kwargs)
     result = train_mqar(model, task, training)
-    record = {"mixer": mixer, "num_pairs": num_pairs, "seed": seed, **result.as_dict()}
-    return {k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}
+    return rounded({"mixer": mixer, "num_pairs": num_pairs, "seed": seed, **result.as_dict()})
 
 
 def _run_mqar_job(job: tuple[str, int, int, dict]) -> dict:
@@ -183,15 +190,12 @@ def mqar_sweep(
     job_list = [(m, n, s, {**kwargs, "training": replace(training, seed=s)}) for m, n, s in grid]
     start = time.perf_counter()
     results = map_jobs(_run_mqar_job, job_list, jobs, log)
+    task, config, _ = mqar_setup(**kwargs)
     settings = {
-        "vocab_size": kwargs.get("vocab_size", MQAR_VOCAB),
-        "seq_len": kwargs.get("seq_len", MQAR_SEQ_LEN),
+        **task,
         "power_a": MQARConfig.power_a,
-        "d_model": kwargs.get("d_model", MQAR_D_MODEL),
-        "n_layer": kwargs.get("n_layer", MQAR_N_LAYER),
-        "n_head": kwargs.get("n_head", MQAR_N_HEAD),
-        "short_conv": kwargs.get("short_conv", MQAR_SHORT_CONV),
-        **{f"train_{k}": v for k, v in asdict(training).items() if k != "seed"},
+        **{name: getattr(config, name) for name in RECORDED_BACKBONE},
+        **training_settings(training),
         "mixers": mixers,
         "pairs": pairs,
         "seeds": seeds,
@@ -203,7 +207,4 @@ def mqar_sweep(
 
 def mean_accuracy(results: Sequence[dict], mixer: str, num_pairs: int) -> float:
     """Mean accuracy over seeds of one (mixer, pairs) cell of a sweep's results."""
-    accs = [r["accuracy"] for r in results if r["mixer"] == mixer and r["num_pairs"] == num_pairs]
-    if not accs:
-        raise KeyError(f"no results for mixer={mixer!r}, num_pairs={num_pairs}")
-    return sum(accs) / len(accs)
+    return cell_mean(results, mixer=mixer, num_pairs=num_pairs)
