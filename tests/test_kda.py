@@ -204,10 +204,12 @@ def test_kimi_linear_decodes_token_by_token_like_transformers():
         for t in range(5, 13):
             y, state = ours(x[:, t : t + 1], state, return_state=True)
             got.append(y)
-    torch.testing.assert_close(torch.cat(got, dim=1), torch.cat(expected, dim=1), atol=1e-4,
-                               rtol=1e-4)
-    torch.testing.assert_close(state.memory, cache.layers[0].recurrent_states[0], atol=1e-4,
-                               rtol=1e-4)
+    torch.testing.assert_close(
+        torch.cat(got, dim=1), torch.cat(expected, dim=1), atol=1e-4, rtol=1e-4
+    )
+    torch.testing.assert_close(
+        state.memory, cache.layers[0].recurrent_states[0], atol=1e-4, rtol=1e-4
+    )
     assert state.conv.shape == (2, 3, 3 * 3 * 8)  # the last kernel − 1 inputs of q|k|v
 
 

@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch import nn
 
+from gpt2kimi.experiment import settings_dict
 from gpt2kimi.mqar import IGNORE, MQARTraining
 from gpt2kimi.recall_tasks import (
     RewriteConfig,
     mean_over_seeds,
     rewrite_batch,
     rewrite_batches,
-    rewrite_config_dict,
     rewrite_scores,
     rewrite_sweep,
     run_rewrite,
@@ -141,7 +141,7 @@ def test_train_rewrite_runs_and_records():
     assert set(record) == {"accuracy", "stale", "seconds", "final_loss"}
     assert 0.0 <= record["accuracy"] <= 1.0 and 0.0 <= record["stale"] <= 1.0
     assert len(result.history.train_loss) == 5
-    settings = rewrite_config_dict(CFG, training)
+    settings = settings_dict(CFG, training)
     assert settings["num_keys"] == 3 and settings["train_steps"] == 5
 
 

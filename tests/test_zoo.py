@@ -210,15 +210,27 @@ def test_one_generate_serves_every_mixer(name):
     assert with_cache.shape == (2, 17) and torch.equal(with_cache[:, :5], prompt)
 
 
-def test_one_generate_serves_a_hybrid_with_learned_positions():
+def hybrid_of_every_mixer(**options):
+    """The backbone with one layer of every registered mixer, in eval mode."""
     names = sorted(MIXERS)
-    cfg = BackboneConfig(vocab_size=40, d_model=32, n_layer=len(names), n_head=2, n_positions=24)
+    cfg = BackboneConfig(vocab_size=40, d_model=32, n_layer=len(names), n_head=2, **options)
     torch.manual_seed(0)
-    model = build_model(names, cfg).eval()
+    return build_model(names, cfg).eval()
+
+
+def test_one_generate_serves_a_hybrid_with_learned_positions():
+    model = hybrid_of_every_mixer(n_positions=24)
     prompt = torch.randint(0, 40, (3, 4), generator=torch.Generator().manual_seed(2))
     sampled = [
-        generate(model, prompt, 20, use_cache=use_cache, temperature=0.9, top_k=8,
-                 generator=torch.Generator().manual_seed(3))
+        generate(
+            model,
+            prompt,
+            20,
+            use_cache=use_cache,
+            temperature=0.9,
+            top_k=8,
+            generator=torch.Generator().manual_seed(3),
+        )
         for use_cache in (True, False)
     ]
     assert torch.equal(sampled[0], sampled[1])
@@ -227,10 +239,7 @@ def test_one_generate_serves_a_hybrid_with_learned_positions():
 
 
 def test_the_model_threads_every_layers_state():
-    names = sorted(MIXERS)
-    cfg = BackboneConfig(vocab_size=40, d_model=32, n_layer=len(names), n_head=2, short_conv=3)
-    torch.manual_seed(0)
-    model = build_model(names, cfg).eval()
+    model = hybrid_of_every_mixer(short_conv=3)
     x = torch.randint(0, 40, (2, 15), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         full = model(x)
@@ -239,5 +248,5 @@ def test_the_model_threads_every_layers_state():
         pieces += [model(x[:, t : t + 1], cache=cache) for t in range(6, 10)]
         pieces.append(model(x[:, 10:], cache=cache))
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
-    assert cache.pos == 15 and len(cache.layers) == len(names)
+    assert cache.pos == 15 and len(cache.layers) == len(MIXERS)
     assert cache.nbytes == sum(layer.mixer.nbytes + layer.shift.nbytes for layer in cache.layers)

@@ -61,6 +61,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gpt2kimi.experiment import evaluating
+
 MixerFactory = Callable[[int, int], nn.Module]
 FFNFactory = Callable[[int], nn.Module]
 
@@ -246,10 +248,8 @@ def check_mixer_output(mixer: nn.Module, d_model: int) -> None:
     itself, instead of deep inside a forward pass.
     """
     x = next(mixer.parameters(), torch.zeros(())).new_zeros(1, 2, d_model)  # its dtype, device
-    was_training = mixer.training
-    with torch.no_grad():
-        mixed = mixer.eval()(x)
-    mixer.train(was_training)
+    with torch.no_grad(), evaluating(mixer):
+        mixed = mixer(x)
     if not isinstance(mixed, Tensor) or mixed.shape != x.shape:
         got = tuple(mixed.shape) if isinstance(mixed, Tensor) else type(mixed).__name__
         raise ValueError(

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
+
+from gpt2kimi.experiment import seeded_splits
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -100,20 +103,14 @@ def lm_batches(
 ) -> Callable[[str], Batch]:
     """A batch source for :func:`gpt2kimi.train.train`: ``batches("train")`` or ``batches("val")``.
 
-    Each split draws from its own seeded generator, so a run is reproducible.
+    Each split draws from its own seeded generator, so a run is reproducible
+    (:func:`gpt2kimi.experiment.seeded_splits`, as every task of the book).
     """
-    generators = {
-        "train": torch.Generator().manual_seed(seed),
-        "val": torch.Generator().manual_seed(seed + 1),
+    draws = {
+        split: partial(get_batch, ids, batch_size, block_size)
+        for split, ids in (("train", corpus.train), ("val", corpus.val))
     }
-    splits = {"train": corpus.train, "val": corpus.val}
-
-    def batches(split: str) -> Batch:
-        if split not in splits:
-            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-        return get_batch(splits[split], batch_size, block_size, generators[split])
-
-    return batches
+    return seeded_splits(draws, seed)
 
 
 def unigram_entropy(ids: torch.Tensor) -> float:

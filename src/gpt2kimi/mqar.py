@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from gpt2kimi.experiment import evaluating, seeded_splits
 from gpt2kimi.progress import progress, silence_progress_in_this_process
 from gpt2kimi.train import History, TrainConfig, train
 
@@ -138,24 +139,6 @@ def mqar_batches(
     return seeded_splits(lambda generator: mqar_batch(cfg, batch_size, generator), seed)
 
 
-def seeded_splits(
-    draw: Callable[[torch.Generator], tuple[Tensor, Tensor]], seed: int = 0
-) -> Callable[[str], tuple[Tensor, Tensor]]:
-    """``batches(split)`` that calls ``draw(generator)`` with the split's own generator, seeded
-    ``2 * seed`` for "train" and ``2 * seed + 1`` for "val" (any other split: ValueError)."""
-    generators = {
-        "train": torch.Generator().manual_seed(2 * seed),
-        "val": torch.Generator().manual_seed(2 * seed + 1),
-    }
-
-    def batches(split: str) -> tuple[Tensor, Tensor]:
-        if split not in generators:
-            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-        return draw(generators[split])
-
-    return batches
-
-
 @torch.no_grad()
 def recall_accuracy(logits: Tensor, y: Tensor) -> tuple[int, int]:
     """(correct, total) over the queried positions: argmax of logits [B, T, V] equals y [B, T]."""
@@ -177,18 +160,16 @@ def mqar_accuracy(
     ``model(x)`` must return logits [B, T, vocab]. The sequences come from their own generator
     (``seed``), so every model is scored on the same test set.
     """
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     correct = total = 0
     remaining = n_sequences
-    while remaining > 0:
-        x, y = mqar_batch(cfg, min(batch_size, remaining), generator)
-        c, n = recall_accuracy(model(x.to(device)), y.to(device))
-        correct, total = correct + c, total + n
-        remaining -= len(x)
-    model.train(was_training)
+    with evaluating(model):
+        while remaining > 0:
+            x, y = mqar_batch(cfg, min(batch_size, remaining), generator)
+            c, n = recall_accuracy(model(x.to(device)), y.to(device))
+            correct, total = correct + c, total + n
+            remaining -= len(x)
     return correct / total
 
 
@@ -290,8 +271,3 @@ def _one_quiet_thread() -> None:
     """A sweep worker: one thread (parallel runs must not fight over cores), no progress bars."""
     torch.set_num_threads(1)
     silence_progress_in_this_process()
-
-
-def config_dict(cfg: MQARConfig, training: MQARTraining) -> dict:
-    """The task and training settings as one flat dict (for results files)."""
-    return {**asdict(cfg), **{f"train_{k}": v for k, v in asdict(training).items()}}

@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpt2kimi.mqar import IGNORE, MQARResult, MQARTraining, map_jobs, seeded_splits
+from gpt2kimi.experiment import cell_mean, evaluating, rounded, seeded_splits, training_settings
+from gpt2kimi.mqar import IGNORE, MQARResult, MQARTraining, map_jobs
 from gpt2kimi.train import train
 
 
@@ -144,8 +145,6 @@ def rewrite_scores(
     fraction answered with a value the key held before (old facts that linger)}``; the test
     sequences come from their own generator (``seed``), the same for every model.
     """
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     correct = stale = total = 0
@@ -153,7 +152,8 @@ def rewrite_scores(
     while remaining > 0:
         x, y = rewrite_batch(cfg, min(batch_size, remaining), generator)
         remaining -= len(x)
-        pred = model(x.to(device)).argmax(dim=-1).cpu()
+        with evaluating(model):
+            pred = model(x.to(device)).argmax(dim=-1).cpu()
         E = cfg.num_events
         queried = y[:, 0 : 2 * E : 2] != IGNORE  # [B, E]
         guess = pred[:, 0 : 2 * E : 2]  # the prediction at each event's key position
@@ -161,7 +161,6 @@ def rewrite_scores(
         old = stale_values(x, cfg.vocab_size).gather(2, guess[..., None])[..., 0]
         stale += int((old & queried).sum())
         total += int(queried.sum())
-    model.train(was_training)
     return {"accuracy": correct / total, "stale": stale / total}
 
 
@@ -192,11 +191,6 @@ def train_rewrite(
     return RewriteResult(scores["accuracy"], history, seconds, stale=scores["stale"])
 
 
-def rewrite_config_dict(cfg: RewriteConfig, training: MQARTraining) -> dict:
-    """The task and training settings as one flat dict (for results files)."""
-    return {**asdict(cfg), **{f"train_{k}": v for k, v in asdict(training).items()}}
-
-
 # ----------------------------------------------------------------------------------------------
 # a sweep over models, task sizes and seeds
 
@@ -216,7 +210,7 @@ def run_rewrite(
     torch.manual_seed(seed)
     result = train_rewrite(make_model(), cfg, training)
     record = {"num_keys": cfg.num_keys, "seed": seed, **result.as_dict()}
-    return {k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}
+    return rounded(record)
 
 
 def _run_rewrite_job(job: tuple[str, ModelFactory, RewriteConfig, MQARTraining, int]) -> dict:
@@ -258,7 +252,7 @@ def rewrite_sweep(
     task.pop("num_keys")
     settings = {
         **task,
-        **{f"train_{k}": v for k, v in asdict(training).items() if k != "seed"},
+        **training_settings(training),
         "mixers": names,
         "num_keys": num_keys,
         "seeds": seeds,
@@ -270,10 +264,7 @@ def rewrite_sweep(
 
 def mean_over_seeds(results: Iterable[dict], mixer: str, num_keys: int, field: str = "accuracy"):
     """Mean of ``field`` over the seeds of one (mixer, keys) cell of a sweep's results."""
-    values = [r[field] for r in results if r["mixer"] == mixer and r["num_keys"] == num_keys]
-    if not values:
-        raise KeyError(f"no results for mixer={mixer!r}, num_keys={num_keys}")
-    return sum(values) / len(values)
+    return cell_mean(results, field, mixer=mixer, num_keys=num_keys)
 
 
 # ==============================================================================================
@@ -300,10 +291,10 @@ class WindowRecallConfig:
     written, A is never asked about again, so a memory may let it go.)
     """
 
-    vocab_size: int = 256
-    seq_len: int = 256
-    num_queries: int = 32
-    window: int = 8
+    vocab_size: int = 64
+    seq_len: int = 64
+    num_queries: int = 8
+    window: int = 4
 
     def __post_init__(self) -> None:
         if self.window < 1:
@@ -393,8 +384,6 @@ def window_recall_scores(
     filling up: a query in the last quarter comes after about three quarters of the facts. The
     test sequences come from their own generator (``seed``), the same for every model.
     """
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     E = cfg.num_events
@@ -404,13 +393,13 @@ def window_recall_scores(
     while remaining > 0:
         x, y = window_recall_batch(cfg, min(batch_size, remaining), generator)
         remaining -= len(x)
-        pred = model(x.to(device)).argmax(dim=-1).cpu()[:, 0 : 2 * E : 2]  # at key positions
+        with evaluating(model):
+            pred = model(x.to(device)).argmax(dim=-1).cpu()[:, 0 : 2 * E : 2]  # at key positions
         target = y[:, 0 : 2 * E : 2]
         queried = (target != IGNORE).float()
         right = (pred == target).float() * queried
         correct += torch.zeros(WINDOW_PARTS).index_add_(0, part, right.sum(dim=0))
         total += torch.zeros(WINDOW_PARTS).index_add_(0, part, queried.sum(dim=0))
-    model.train(was_training)
     by_part = (correct / total.clamp_min(1)).tolist()
     return {"accuracy": float(correct.sum() / total.sum()), "by_part": by_part}
 
@@ -452,7 +441,7 @@ def run_window_recall(
     torch.manual_seed(seed)
     result = train_window_recall(make_model(), cfg, training)
     record = {"seq_len": cfg.seq_len, "window": cfg.window, "seed": seed, **result.as_dict()}
-    return {k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}
+    return rounded(record)
 
 
 def _run_window_recall_job(
@@ -489,7 +478,7 @@ def window_recall_sweep(
     settings = {
         **asdict(cfg),
         "num_facts": cfg.num_facts,
-        **{f"train_{k}": v for k, v in asdict(training).items() if k != "seed"},
+        **training_settings(training),
         "mixers": names,
         "seeds": seeds,
         "jobs": jobs,

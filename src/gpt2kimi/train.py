@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from gpt2kimi.experiment import Batches, evaluating
 from gpt2kimi.progress import progress, say
-
-Batches = Callable[[str], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -83,15 +81,13 @@ def configure_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Batches, n_batches: int, split: str = "val") -> float:
     """Mean loss over ``n_batches`` batches of ``split``."""
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     losses = []
-    for _ in range(n_batches):
-        x, y = batches(split)
-        _, loss = model(x.to(device), y.to(device))
-        losses.append(loss.item())
-    model.train(was_training)
+    with evaluating(model):
+        for _ in range(n_batches):
+            x, y = batches(split)
+            _, loss = model(x.to(device), y.to(device))
+            losses.append(loss.item())
     return sum(losses) / len(losses)
 
 

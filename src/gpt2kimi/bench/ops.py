@@ -99,23 +99,15 @@ def loglog_slope(xs: list[float], ys: list[float]) -> float:
     )
 
 
-def time_vs_length(
-    op: str,
-    lengths: list[int],
-    B: int = 2,
-    H: int = 4,
-    D: int = 64,
-    chunk_size: int = 64,
-    seed: int = 0,
-    repeats: int = 3,
-    warmup: int = 1,
-) -> dict:
+def time_vs_length(op: str, lengths: list[int], **settings) -> dict:
     """Times of both forms for each T in ``lengths``, and their log-log slopes.
 
-    Returns ``{"op", "lengths", "recurrent_s", "chunk_s", "speedup", "recurrent_slope",
-    "chunk_slope"}`` (lists aligned with ``lengths``), ready for a log-log plot.
+    ``settings`` are :func:`chunk_vs_recurrent`'s (``B``, ``H``, ``D``, ``chunk_size``, ``seed``,
+    ``repeats``, ``warmup``). Returns ``{"op", "lengths", "recurrent_s", "chunk_s", "speedup",
+    "recurrent_slope", "chunk_slope"}`` (lists aligned with ``lengths``), ready for a log-log
+    plot.
     """
-    rows = [chunk_vs_recurrent(op, B, T, H, D, chunk_size, seed, repeats, warmup) for T in lengths]
+    rows = [chunk_vs_recurrent(op, T=T, **settings) for T in lengths]
     result = dict(
         op=op,
         lengths=list(lengths),
@@ -170,7 +162,14 @@ def main(argv: list[str]) -> None:
     for op in args.ops:
         results.append(
             time_vs_length(
-                op, args.lengths, args.B, args.H, args.D, args.chunk_size, args.seed, args.repeats
+                op,
+                args.lengths,
+                B=args.B,
+                H=args.H,
+                D=args.D,
+                chunk_size=args.chunk_size,
+                seed=args.seed,
+                repeats=args.repeats,
             )
         )
     print(format_table(results))
