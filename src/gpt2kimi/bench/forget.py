@@ -1,12 +1,13 @@
 """``python -m gpt2kimi.bench forget``: sliding-window recall, a task that needs forgetting.
 
-Trains the shared MQAR backbone (two layers, two heads of 32: a 32 × 32 memory per head) with
-each named mixer on sliding-window recall (:class:`gpt2kimi.recall_tasks.WindowRecallConfig`):
-a stream of 96 facts whose 32 queries ask only about the 8 latest, so a memory that keeps
-everything fills up with facts that are never asked for again. Single-threaded runs,
-``--jobs`` of them at once, then a short *live* subset (a few models, one seed, fewer steps)
-that a notebook can re-run to check the file against the code. Both go to one JSON file, with
-the machine it ran on::
+Trains the shared MQAR backbone, here with eight heads of 8 dimensions (an 8 × 8 memory per
+head), with each named mixer on sliding-window recall
+(:class:`gpt2kimi.recall_tasks.WindowRecallConfig`): a stream of 24 facts, three times as many
+as a head has key directions, whose 8 queries ask only about the 4 latest, so a memory that keeps
+everything fills up with facts that are never asked for again. Single-threaded runs, ``--jobs``
+of them at once, then a short *live* subset (two models, one seed, fewer steps) that a notebook
+can re-run to check the file against the code. Both go to one JSON file, with the model's
+settings and the machine it ran on::
 
     python -m gpt2kimi.bench forget                    # book/data/forget_window.json
 """
@@ -15,20 +16,23 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
+from gpt2kimi.backbone import BackboneConfig
 from gpt2kimi.bench.machine import machine_info
 from gpt2kimi.mqar import MQARTraining
 from gpt2kimi.progress import say
 from gpt2kimi.recall_tasks import WINDOW_PARTS, WindowRecallConfig, window_recall_sweep
-from gpt2kimi.zoo import MIXERS, build_model, mqar_model_config
+from gpt2kimi.zoo import MIXERS, MQAR_D_MODEL, build_model, mqar_model_config
 
 DEFAULT_OUT = "book/data/forget_window.json"
 COMPARED = ["softmax", "linear", "deltanet", "gated_deltanet", "kda", "kda_no_forget"]
-LIVE: list[str] = []  # a live subset is opt-in: one run at this length takes minutes
-# The task's budget: longer sequences than MQAR's, so fewer of them per step and fewer steps.
-STEPS, BATCH_SIZE, WARMUP = 300, 16, 30
+LIVE = ["softmax", "deltanet"]
+# The budget: sequences twice MQAR's length, so half as many per step, and 400 steps (MQAR: 600).
+STEPS, BATCH_SIZE, WARMUP = 400, 32, 30
+N_HEAD = 8  # eight heads of 8 dims: a small memory that a short stream overflows
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -40,19 +44,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=task.seq_len)
     p.add_argument("--num-queries", type=int, default=task.num_queries)
     p.add_argument("--window", type=int, default=task.window)
+    p.add_argument("--d-model", type=int, default=MQAR_D_MODEL)
+    p.add_argument("--n-head", type=int, default=N_HEAD, help="heads: d_model / n_head = d_k")
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--batch-size", type=int, default=BATCH_SIZE)
     p.add_argument("--lr", type=float, default=MQARTraining.lr)
     p.add_argument("--live-mixers", nargs="*", default=LIVE, choices=sorted(MIXERS))
-    p.add_argument("--live-steps", type=int, default=60)
+    p.add_argument("--live-steps", type=int, default=150)
     p.add_argument("--jobs", type=int, default=2, help="parallel single-threaded runs")
     p.add_argument("--out", default=DEFAULT_OUT, help="JSON results file ('-': do not write)")
     return p.parse_args(argv)
 
 
-def model_factories(mixers: list[str], vocab_size: int) -> dict[str, partial]:
-    """Name -> picklable constructor of the MQAR backbone (with the task's vocabulary)."""
-    config = mqar_model_config(vocab_size=vocab_size)
+def model_factories(mixers: list[str], config: BackboneConfig) -> dict[str, partial]:
+    """Name -> picklable constructor of the backbone ``config`` with that mixer."""
     return {name: partial(build_model, name, config) for name in mixers}
 
 
@@ -90,6 +95,7 @@ def main(argv: list[str]) -> None:
     training = MQARTraining(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=WARMUP
     )
+    config = mqar_model_config(vocab_size=args.vocab_size, d_model=args.d_model, n_head=args.n_head)
 
     def log(r: dict) -> None:
         parts = " ".join(f"{a:.2f}" for a in r["by_part"])
@@ -99,19 +105,20 @@ def main(argv: list[str]) -> None:
         )
 
     full = window_recall_sweep(
-        model_factories(args.mixers, args.vocab_size),
+        model_factories(args.mixers, config),
         args.seeds,
         training=training,
         jobs=args.jobs,
         log=log,
         **task,
     )
+    full["settings"]["model"] = asdict(config)
     full["settings"]["machine"] = machine_info(args.jobs)
     print(format_table(full))
     record = dict(full)
     if args.live_mixers:
         record["live"] = window_recall_sweep(
-            model_factories(args.live_mixers, args.vocab_size),
+            model_factories(args.live_mixers, config),
             [args.seeds[0]],
             training=MQARTraining(
                 steps=args.live_steps,
