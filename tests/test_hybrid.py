@@ -9,11 +9,11 @@ from gpt2kimi.gpt2 import CheckpointError
 from gpt2kimi.hybrid import (
     HybridConfig,
     KimiHybrid,
-    KimiLinearKDA,
     cache_bytes,
     count_params,
     generate,
     hf_to_local,
+    kda_layer,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -223,7 +223,7 @@ def test_kda_layer_loads_transformers_weights_as_is():
     hf_config, hf = kimi_linear(config)
     hf_layer = hf.model.layers[0].self_attn
     assert isinstance(hf_layer, KimiLinearDeltaAttention)
-    layer = KimiLinearKDA(32, 3, 8)
+    layer = kda_layer(config)
     layer.load_state_dict(hf_layer.state_dict())
     x = torch.randn(2, 19, 32)
     with torch.no_grad():

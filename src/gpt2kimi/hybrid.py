@@ -22,18 +22,15 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gpt2kimi.accounting import ModelConfig
-from gpt2kimi.backbone import BackboneConfig, CausalConv1d, LanguageModel, ModelCache, SwiGLU
-from gpt2kimi.deltanet import l2_normalize
-from gpt2kimi.gated_deltanet import GatedRMSNorm, init_A_log, init_dt_bias, log_decay
+from gpt2kimi.backbone import BackboneConfig, LanguageModel, ModelCache, SwiGLU
 from gpt2kimi.gpt2 import CheckpointError
-from gpt2kimi.kda import kda_chunk, kda_recurrent
+from gpt2kimi.kda import KimiDeltaAttention
 from gpt2kimi.kv_cache import generate as _generate
 from gpt2kimi.mla import LatentCache, MLAConfig, MultiHeadLatentAttention
 from gpt2kimi.moe import MoE, MoEConfig
@@ -352,104 +349,17 @@ def _mixers_from_layer_numbers(linear: Mapping[str, Any], n_layer: int) -> list[
 # the model
 
 
-class KDAState(NamedTuple):
-    """What a KDA layer carries while decoding: the memory and the convolution's last inputs."""
-
-    memory: Tensor  # S: [B, H, head_dim, head_dim]
-    conv: Tensor  # the q|k|v convolution's last inputs: [B, conv_size − 1, 3·H·D]
-
-    @property
-    def nbytes(self) -> int:
-        return self.memory.nbytes + self.conv.nbytes
-
-
-class ForgetGate(nn.Module):
-    """KDA's decay: ``g = −exp(A_log) · softplus(f_b(f_a x) + dt_bias)``, one per head and key
-    channel (a low-rank projection through ``head_dim``), as chapter 5's ``log_decay``."""
-
-    def __init__(self, d_model: int, n_head: int, head_dim: int) -> None:
-        super().__init__()
-        self.f_a_proj = nn.Linear(d_model, head_dim, bias=False)
-        self.f_b_proj = nn.Linear(head_dim, n_head * head_dim, bias=False)
-        self.dt_bias = nn.Parameter(init_dt_bias(n_head * head_dim))
-        self.A_log = nn.Parameter(init_A_log(n_head).view(1, 1, n_head, 1))
-        self.head_dim = head_dim
-
-    def forward(self, x: Tensor) -> Tensor:
-        """x [B, T, d_model] → g [B, T, H, head_dim] (<= 0)."""
-        B, T, _ = x.shape
-        a = self.f_b_proj(self.f_a_proj(x)).view(B, T, -1, self.head_dim)
-        return log_decay(a, self.A_log, self.dt_bias.view(-1, self.head_dim))
-
-
-class KimiLinearKDA(nn.Module):
-    """Kimi Delta Attention in Kimi Linear's exact layout (``transformers``' names and shapes).
-
-    Chapter 5's layer and operators with Kimi Linear's shapes: H heads of ``head_dim``
-    independent of d_model; **one** depthwise causal convolution over q|k|v concatenated
-    (``conv1d``), then SiLU; q, k L2-normalised; β = sigmoid(``b_proj`` x); the decay from the
-    low-rank ``forget_gate``; o = KDA (the chunk form for a prompt, the recurrent step for one
-    token); y = ``o_proj``(RMSNorm(o) · sigmoid(``g_b_proj``(``g_a_proj`` x))). Its state is a
-    :class:`KDAState`.
-    """
-
-    def __init__(
-        self,
-        d_model: int,
-        n_head: int,
-        head_dim: int,
-        *,
-        conv_size: int = 4,
-        chunk_size: int = 64,
-        norm_eps: float = 1e-5,
-    ) -> None:
-        super().__init__()
-        self.n_head, self.head_dim, self.chunk_size = n_head, head_dim, chunk_size
-        inner = n_head * head_dim
-        self.q_proj = nn.Linear(d_model, inner, bias=False)
-        self.k_proj = nn.Linear(d_model, inner, bias=False)
-        self.v_proj = nn.Linear(d_model, inner, bias=False)
-        self.conv1d = CausalConv1d(3 * inner, conv_size)
-        self.forget_gate = ForgetGate(d_model, n_head, head_dim)
-        self.b_proj = nn.Linear(d_model, n_head, bias=False)
-        self.g_a_proj = nn.Linear(d_model, head_dim, bias=False)
-        self.g_b_proj = nn.Linear(head_dim, inner, bias=False)
-        self.o_norm = GatedRMSNorm(head_dim, activation="sigmoid")
-        self.o_norm.eps = norm_eps
-        self.o_proj = nn.Linear(inner, d_model, bias=False)
-
-    def forward(
-        self, x: Tensor, state: KDAState | None = None, return_state: bool = False
-    ) -> Tensor | tuple[Tensor, KDAState]:
-        """x [B, T, d_model] → [B, T, d_model] (and the new state, if ``return_state``)."""
-        B, T, _ = x.shape
-        H, D = self.n_head, self.head_dim
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        qkv, conv = self.conv1d(qkv, None if state is None else state.conv)
-        q, k, v = F.silu(qkv).view(B, T, 3, H, D).unbind(dim=2)
-        q, k = l2_normalize(q), l2_normalize(k)
-        beta = torch.sigmoid(self.b_proj(x))  # [B, T, H]
-        g = self.forget_gate(x)  # [B, T, H, D]
-        memory = None if state is None else state.memory
-        if memory is not None and T == 1:  # decoding: one recurrent step
-            o, memory = kda_recurrent(q, k, v, beta, g, initial_state=memory)
-        else:
-            o, memory = kda_chunk(q, k, v, beta, g, initial_state=memory,
-                                  chunk_size=self.chunk_size)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, D)
-        y = self.o_proj(self.o_norm(o, gate).reshape(B, T, H * D))
-        return (y, KDAState(memory, conv)) if return_state else y
-
-
-def kda_layer(config: HybridConfig) -> KimiLinearKDA:
-    """One KDA mixer with Kimi Linear's shapes (heads × head_dim independent of d_model)."""
-    return KimiLinearKDA(
+def kda_layer(config: HybridConfig) -> KimiDeltaAttention:
+    """One KDA mixer with Kimi Linear's shapes: chapter 5's layer with heads × head_dim
+    independent of d_model, one convolution over q|k|v, no bias on the output gate."""
+    return KimiDeltaAttention(
         config.d_model,
         config.kda_heads,
-        config.kda_head_dim,
+        head_dim=config.kda_head_dim,
         conv_size=config.conv_size,
         chunk_size=config.chunk_size,
         norm_eps=config.norm_eps,
+        output_gate_bias=False,
     )
 
 
