@@ -216,7 +216,7 @@ def test_logits_equal_transformers(overrides, B, T):
 
 def test_kda_layer_loads_transformers_weights_as_is():
     """KimiLinearDeltaAttention's state dict loads into the KDA layer without renaming; the
-    outputs agree, and a prompt then single tokens (the recurrent step) equals one call."""
+    outputs agree, and a prompt then single tokens, state passed on, equals one call."""
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
 
     config = tiny_config()

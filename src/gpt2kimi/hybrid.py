@@ -599,7 +599,8 @@ def generate(
     """Append ``max_new_tokens`` tokens to prompt_ids ``[B, T]``: chapter 2's ``generate``.
 
     With the cache the prompt runs once (KDA in its chunk form, MLA writing its latent cache),
-    then each step runs one token (KDA's recurrent step, MLA reading the latents). Greedy output
+    then each step runs one token (KDA from its memory and convolution tail, MLA reading its
+    latents). Greedy output
     (``temperature=0``) is the same with and without the cache.
     """
     return _generate(
