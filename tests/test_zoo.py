@@ -144,7 +144,10 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("module", ["backbone", "mqar", "recall_tasks"])
+SUPPORT_MODULES = ["backbone", "experiment", "data", "train", "mqar", "recall_tasks"]
+
+
+@pytest.mark.parametrize("module", SUPPORT_MODULES)
 def test_support_modules_import_no_chapter_and_not_the_zoo(module):
     package = Path(gpt2kimi.__file__).parent
     chapters = {
