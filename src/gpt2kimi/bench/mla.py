@@ -1,6 +1,6 @@
 """One decode step of one attention layer against a filled cache: MHA, GQA, MQA and three MLAs.
 
-``python -m gpt2kimi.bench mla [--contexts 1024 … 32768] [--repeats 3] [--threads N]``
+``python -m gpt2kimi.bench mla [--contexts 1024 … 32768] [--repeats 3] [--threads 1]``
 
 Every layer has the same width (``d_model`` 512, 8 query heads of 64). The softmax layers are
 chapter 2's :class:`~gpt2kimi.attention.SoftmaxAttention` with 8, 2 and 1 key/value heads; the
@@ -181,20 +181,25 @@ def measure(
     return rows
 
 
+def context_label(context: int) -> str:
+    """``1024 → "1K"``, ``1536 → "1536"``."""
+    return f"{context // 1024}K" if context % 1024 == 0 else str(context)
+
+
 def grid(rows: list[Row], value: Callable[[Row], str], title: str) -> str:
-    """One line per context, one column per method."""
+    """One line per method, one column per context length."""
     methods = list(dict.fromkeys(r.method for r in rows))
     contexts = list(dict.fromkeys(r.context for r in rows))
     cell = {(r.method, r.context): r for r in rows}
-    width = max(9, *(len(m) + 1 for m in methods))
-    lines = [title, f"{'context':>8}" + "".join(f"{m:>{width}}" for m in methods)]
-    for S in contexts:
-        lines.append(f"{S:>8}" + "".join(f"{value(cell[m, S]):>{width}}" for m in methods))
+    lines = [title, f"{'context':<16}" + "".join(f"{context_label(S):>9}" for S in contexts)]
+    for m in methods:
+        lines.append(f"{m:<16}" + "".join(f"{value(cell[m, S]):>9}" for S in contexts))
     return "\n".join(lines)
 
 
 def format_table(rows: list[Row]) -> str:
-    """Milliseconds per token, cache MiB read per step, and attention FLOPs per cache byte."""
+    """Milliseconds per token, cache MiB read per step, and attention FLOPs per cache byte; the
+    re-expanded / absorbed time ratio when both were measured."""
     parts = [
         grid(rows, lambda r: f"{r.ms:.2f}", "ms per decode step (one layer, batch 1)"),
         grid(rows, lambda r: f"{r.cache_bytes / 2**20:.1f}", "cache MiB read per step (fp32)"),
@@ -203,11 +208,12 @@ def format_table(rows: list[Row]) -> str:
     by = {(r.method, r.context): r for r in rows}
     contexts = list(dict.fromkeys(r.context for r in rows))
     if all(("MLA re-expanded", S) in by and ("MLA absorbed", S) in by for S in contexts):
-        ratios = ", ".join(
-            f"{S}: {by['MLA re-expanded', S].seconds / by['MLA absorbed', S].seconds:.1f}x"
-            for S in contexts
+        ratios = [by["MLA re-expanded", S].ms / by["MLA absorbed", S].ms for S in contexts]
+        speedups = "".join(f"{f'{x:.1f}x':>9}" for x in ratios)
+        parts.append(
+            f"{'absorbed speed-up':<16}{speedups}\n"
+            "(time of the re-expanded path / time of the absorbed path)"
         )
-        parts.append(f"absorbed vs re-expanded speed-up by context: {ratios}")
     return "\n\n".join(parts)
 
 
@@ -219,17 +225,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
-        "--threads", type=int, default=0, help="CPU threads for PyTorch (0: PyTorch's default)"
+        "--threads", type=int, default=1, help="CPU threads (1: steadiest; 0: PyTorch's default)"
     )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     config = bench_mla_config()
     print(
-        f"one layer, d_model {config.d_model}, {config.n_head} query heads of "
-        f"{config.qk_nope_head_dim}; GQA {kv_heads('GQA', config.n_head)} key/value heads; MLA "
-        f"latent {config.kv_lora_rank} + rope key {config.qk_rope_head_dim}; fp32, cpu, "
-        f"{torch.get_num_threads()} threads"
+        f"one layer: d_model {config.d_model}, {config.n_head} query heads of "
+        f"{config.qk_nope_head_dim}, GQA {kv_heads('GQA', config.n_head)} key/value heads,\n"
+        f"MLA latent {config.kv_lora_rank} + rope key {config.qk_rope_head_dim}; fp32, cpu, "
+        f"{torch.get_num_threads()} thread(s)\n"
     )
     rows = measure(tuple(args.contexts), tuple(args.methods), args.repeats, config)
     print(format_table(rows))
