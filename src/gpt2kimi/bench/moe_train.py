@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -219,6 +220,12 @@ def format_table(sweep: dict) -> str:
     return "\n".join(lines)
 
 
+def dumps(sweep: dict) -> str:
+    """JSON with one key per line but every list of numbers on one line (a compact file)."""
+    text = json.dumps(sweep, indent=1)
+    return re.sub(r"\[[\d\s.,eE+-]*\]", lambda m: re.sub(r"\s+", "", m.group(0)), text)
+
+
 def main(argv: list[str]) -> None:
     defaults = MoETrainSettings()
     p = argparse.ArgumentParser(prog="python -m gpt2kimi.bench moe-train", description=__doc__)
@@ -248,5 +255,5 @@ def main(argv: list[str]) -> None:
     if args.out != "-":
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(sweep, indent=1) + "\n")
+        out.write_text(dumps(sweep) + "\n")
         print(f"wrote {out}")
