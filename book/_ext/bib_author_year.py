@@ -114,9 +114,18 @@ class LabelYearTextualReferenceStyle(BaseReferenceStyle):
         return join(sep=" ")[names, join["[", cited, "]"]]
 
 
+def semicolons() -> BracketStyle:
+    """Brackets whose citations are separated by '; ': the labels themselves contain commas."""
+    return BracketStyle(sep="; ")
+
+
 @dataclass
 class AuthorYearLabelReferenceStyle(LabelReferenceStyle):
-    """``{cite}`` gives ``[Radford et al., 2019]``, the bibliography's own label."""
+    """``{cite}`` gives ``[Radford et al., 2019]``, the bibliography's own label;
+    ``{cite}`a,b``` gives ``[DeepSeek-AI, 2024a; DeepSeek-AI, 2024b]``."""
+
+    bracket_parenthetical: BracketStyle = field(default_factory=semicolons)
+    bracket_textual: BracketStyle = field(default_factory=semicolons)
 
     def __post_init__(self):
         super().__post_init__()  # the label style's roles; then replace the textual ones
