@@ -217,3 +217,27 @@ def test_chapter_5_defaults_keep_their_layout():
     layer = KimiDeltaAttention(32, 4)
     assert layer.head_dim == 8 and layer.q_proj.out_features == 32
     assert layer.g_b_proj.bias is not None and layer.o_norm.eps == 1e-5
+
+
+def test_one_token_steps_use_the_recurrence_and_equal_the_chunk_form(monkeypatch):
+    import gpt2kimi.kda as kda
+
+    layer = make_layer()  # float64, chunks of 8
+    x = torch.randn(2, 13, 32, dtype=torch.float64)
+    calls = []
+
+    def spy(q, *args, **kwargs):
+        calls.append(q.shape[1])
+        return kda_recurrent(q, *args, **kwargs)
+
+    monkeypatch.setattr(kda, "kda_recurrent", spy)
+    with torch.no_grad():
+        full, full_state = layer(x, return_state=True)  # the chunk form over 13 tokens
+        y, state = layer(x[:, :5], return_state=True)  # prefill: the chunk form
+        steps = [y]
+        for t in range(5, 13):  # decode: one step of the recurrence per token
+            y, state = layer(x[:, t : t + 1], state, return_state=True)
+            steps.append(y)
+    assert calls == [1] * 8  # only the single-token calls took the recurrent step
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(state.memory, full_state.memory, atol=1e-10, rtol=1e-10)

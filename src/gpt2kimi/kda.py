@@ -200,7 +200,8 @@ class KimiDeltaAttention(DeltaNet):
     ``linear_head_dim``, ``conv_size`` its kernel, ``norm_eps`` its ``rms_norm_eps``,
     ``output_gate_bias=False``) its weights load with ``load_state_dict`` as they are. The
     defaults are chapter 5's layer (head_dim = d_model / n_head, a bias on ``g_b_proj``).
-    Stepwise decoding as in :class:`~gpt2kimi.deltanet.DeltaNet` (``DeltaNetState``).
+    Stepwise decoding as in :class:`~gpt2kimi.deltanet.DeltaNet` (``DeltaNetState``): a prompt
+    runs the chunk form, a single token one step of :func:`kda_recurrent`.
     """
 
     def __init__(
@@ -222,7 +223,12 @@ class KimiDeltaAttention(DeltaNet):
         beta = torch.sigmoid(self.b_proj(x))  # [B, T, H]
         g = self.forget_gate(x)  # [B, T, H, K], <= 0
         memory = None if state is None else state.memory
-        o, memory = kda_chunk(q, k, v, beta, g, initial_state=memory, chunk_size=self.chunk_size)
+        if T == 1:  # one decoded token: one step of the recurrence (a chunk would pad it to C)
+            o, memory = kda_recurrent(q, k, v, beta, g, initial_state=memory)
+        else:  # a prompt or a training sequence: the chunkwise-parallel form
+            o, memory = kda_chunk(
+                q, k, v, beta, g, initial_state=memory, chunk_size=self.chunk_size
+            )
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, self.n_head, self.head_dim)
         y = self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))
         return (y, DeltaNetState(memory, conv)) if return_state else y
