@@ -60,9 +60,11 @@ KIMI_LINEAR_48B = {
 }
 
 # Exact counts of the 48B model built from that config (the paper and model card say "48B total,
-# 3B active"): every parameter, and those one token uses (8 of 256 routed experts per layer).
+# 3B active"): every parameter, and those one token uses (8 of 256 routed experts per layer),
+# without the input embedding as chapter 7's accounting counts (3,484,453,248 with it).
 TOTAL_48B = 49_122_675_072
-ACTIVE_48B = 3_484_453_248
+ACTIVE_48B = 3_106_965_888
+EMBEDDING_48B = 163_840 * 2304
 
 
 def tiny_config(**overrides) -> HybridConfig:
@@ -177,12 +179,19 @@ def test_config_errors_name_the_problem():
 
 def test_48b_parameter_count_on_meta():
     """Built on the meta device from the released config: 49,122,675,072 parameters (the
-    published "48B"), 3,484,453,248 of them used per token (the published "3B"), as many as
-    transformers' own model has."""
+    published "48B"), 3,106,965,888 of them used per token (the published "3B"; 3,484,453,248
+    with the input embedding), as chapter 7's accounting counts from the config, and as many
+    in all as transformers' own model has."""
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    from gpt2kimi.accounting import PARAM_SPECS, param_count
 
     counts = count_params(HybridConfig.from_hf(KIMI_LINEAR_48B))
     assert (counts.total, counts.active) == (TOTAL_48B, ACTIVE_48B)
+    assert counts.embedding == EMBEDDING_48B
+    assert counts.active_with_embedding == 3_484_453_248
+    accounted = param_count(PARAM_SPECS["kimi-linear-48b-a3b"])
+    assert (accounted.total, accounted.active) == (TOTAL_48B, ACTIVE_48B)
     assert sum(counts.by_part.values()) + counts.embedding + counts.head == counts.total
     released = {k: v for k, v in KIMI_LINEAR_48B.items() if k != "architectures"}
     with torch.device("meta"):

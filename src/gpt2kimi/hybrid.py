@@ -515,7 +515,12 @@ def checkpoint_problems(
 
 @dataclass(frozen=True)
 class ParamCount:
-    """Parameters of a hybrid: all of them, and those one token uses (its k routed experts)."""
+    """Parameters of a hybrid: all of them, and those one token uses (its k routed experts).
+
+    ``active`` follows :mod:`gpt2kimi.accounting` (and DeepSeek-V3's report): the untied input
+    embedding is left out, since a token only reads its own row of it;
+    ``active_with_embedding`` counts the table too.
+    """
 
     total: int
     active: int
@@ -523,12 +528,16 @@ class ParamCount:
     head: int  # the output head
     by_part: dict[str, int] = field(default_factory=dict)  # kda / mla / dense / moe / norms
 
+    @property
+    def active_with_embedding(self) -> int:
+        return self.active + self.embedding
+
 
 def count_params(config: HybridConfig) -> ParamCount:
     """Count :class:`KimiHybrid`'s parameters on the meta device (no memory is allocated).
 
-    ``active``: the total minus, in each MoE layer, the experts a token does not use
-    (``n_experts − top_k`` of them). Embedding and head are included in both.
+    ``active``: the total minus the input embedding and, in each MoE layer, the experts a token
+    does not use (``n_experts − top_k`` of them); the head is counted in both.
     """
     with torch.device("meta"):
         model = KimiHybrid(config)
@@ -546,7 +555,7 @@ def count_params(config: HybridConfig) -> ParamCount:
     total = sum(p.numel() for p in model.parameters())
     return ParamCount(
         total=total,
-        active=total - inactive,
+        active=total - inactive - model.embed.weight.numel(),
         embedding=model.embed.weight.numel(),
         head=model.lm_head.weight.numel(),
         by_part=by_part,

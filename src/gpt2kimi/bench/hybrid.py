@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -25,8 +24,10 @@ from torch import nn
 
 from gpt2kimi.attention import SoftmaxAttention
 from gpt2kimi.backbone import LanguageModel, ModelCache
+from gpt2kimi.bench.machine import machine_info
 from gpt2kimi.bench.timing import time_fn
 from gpt2kimi.data import lm_batches, load_corpus
+from gpt2kimi.experiment import training_settings
 from gpt2kimi.gpt2 import GPT2, GPT2Config, gpt2_param_count
 from gpt2kimi.hybrid import (
     HybridConfig,
@@ -39,7 +40,7 @@ from gpt2kimi.hybrid import (
 from gpt2kimi.kv_cache import LayerKVCache
 from gpt2kimi.mla import LatentCache
 from gpt2kimi.moe import AuxLossWrapper
-from gpt2kimi.mqar import MQARTraining, map_jobs
+from gpt2kimi.mqar import MQARConfig, MQARTraining, map_jobs
 from gpt2kimi.progress import say
 from gpt2kimi.train import TrainConfig, train
 
@@ -245,7 +246,8 @@ def gpt2_baseline_config(
 def lm_model(name: str, config: HybridConfig = LM_CONFIG, block_size: int = 64) -> nn.Module:
     """``"gpt2"`` (the baseline of equal active parameters) or a ratio name of :data:`RATIOS`."""
     if name == "gpt2":
-        return GPT2(gpt2_baseline_config(count_params(config).active, config, block_size))
+        touched = count_params(config).active_with_embedding  # as GPT-2's count has its table
+        return GPT2(gpt2_baseline_config(touched, config, block_size))
     return KimiHybrid(config.replace(mixers=RATIOS[name]))
 
 
@@ -256,7 +258,8 @@ def run_lm(job: tuple[str, int, dict]) -> dict:
     torch.manual_seed(seed)
     model = lm_model(name, block_size=s["block_size"])
     total = sum(p.numel() for p in model.parameters())
-    active = total if name == "gpt2" else count_params(model.hybrid_config).active
+    # parameters one token uses, the embedding row included (GPT-2's embedding is its head)
+    active = total if name == "gpt2" else count_params(model.hybrid_config).active_with_embedding
     trained = model if name == "gpt2" else AuxLossWrapper(model, bias_gamma=s["bias_gamma"])
     cfg = TrainConfig(steps=s["steps"], lr=s["lr"], warmup_steps=min(s["warmup_steps"], s["steps"]),
                       eval_interval=s["eval_interval"], eval_batches=s["eval_batches"], seed=seed)
@@ -279,7 +282,7 @@ def lm_sweep(names: list[str], seeds: list[int], jobs: int = 2, **overrides) -> 
     return {"settings": {**settings, "config": asdict(LM_CONFIG),
                          "models": names, "seeds": seeds, "jobs": jobs,
                          "seconds": round(time.perf_counter() - start, 1),
-                         "machine": platform.processor() or platform.machine()},
+                         "machine": machine_info(jobs)},
             "results": results}
 
 
@@ -288,24 +291,34 @@ def run_mqar_job(job: tuple[str, int, int, dict]) -> dict:
     from gpt2kimi.zoo import run_mqar  # the zoo imports every chapter, this module included
 
     name, num_pairs, seed, kwargs = job
-    mixers = {"hybrid": ["kda", "mla"], "KDA": ["kda", "kda"], "MLA": ["mla", "mla"]}[name]
-    record = run_mqar(mixers, num_pairs, seed=seed, **kwargs)
+    record = run_mqar(MQAR_MIXES[name], num_pairs, seed=seed, **kwargs)
     return {**record, "mixer": name}
 
 
+MQAR_MIXES: dict[str, list[str]] = {"hybrid": ["kda", "mla"], "KDA": ["kda", "kda"],
+                                    "MLA": ["mla", "mla"]}
+
+
 def mqar_runs(pairs: list[int], seeds: list[int], steps: int, jobs: int = 2) -> dict:
+    """The hybrid (KDA then MLA), pure KDA and pure MLA on MQAR at chapter 3's settings (2
+    layers), ``steps`` training steps; the settings recorded are the task's, the backbone's and
+    the training's, as in chapters 3-6's MQAR files."""
+    from gpt2kimi.zoo import RECORDED_BACKBONE, mqar_setup
+
     training = MQARTraining(steps=steps)
-    grid = [(m, n, s, {"training": training}) for m in ("hybrid", "KDA", "MLA")
-            for n in pairs for s in seeds]
+    grid = [(m, n, s, {"training": training}) for m in MQAR_MIXES for n in pairs for s in seeds]
     start = time.perf_counter()
     results = map_jobs(run_mqar_job, grid, jobs,
                        log=lambda r: say(f"{r['mixer']:<7} N={r['num_pairs']} seed {r['seed']}: "
                                          f"{r['accuracy']:.3f}"))
-    return {"settings": {"pairs": pairs, "seeds": seeds, "steps": steps, "jobs": jobs,
+    task, config, _ = mqar_setup()
+    return {"settings": {**task, "power_a": MQARConfig.power_a,
+                         **{k: getattr(config, k) for k in RECORDED_BACKBONE},
+                         **training_settings(training), "mixes": MQAR_MIXES,
+                         "pairs": pairs, "seeds": seeds, "jobs": jobs,
                          "seconds": round(time.perf_counter() - start, 1),
-                         "machine": platform.processor() or platform.machine()},
+                         "machine": machine_info(jobs)},
             "results": results}
-
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
