@@ -223,7 +223,7 @@ class KimiDeltaAttention(DeltaNet):
         beta = torch.sigmoid(self.b_proj(x))  # [B, T, H]
         g = self.forget_gate(x)  # [B, T, H, K], <= 0
         memory = None if state is None else state.memory
-        if T == 1:  # one decoded token: one step of the recurrence (a chunk would pad it to C)
+        if T == 1:  # one decoded token: one step of the recurrence, without the chunk machinery
             o, memory = kda_recurrent(q, k, v, beta, g, initial_state=memory)
         else:  # a prompt or a training sequence: the chunkwise-parallel form
             o, memory = kda_chunk(
