@@ -263,6 +263,40 @@ def test_greedy_generation_equals_transformers_and_is_the_same_with_and_without_
     assert torch.equal(cached, expected)
 
 
+def test_prefill_runs_the_parallel_forms_and_decode_the_stepwise_ones(monkeypatch):
+    """A prompt: KDA's chunk form, MLA over expanded keys; one token after it: one step of
+    KDA's recurrence, MLA reading its latent cache (absorbed), the logits unchanged."""
+    import gpt2kimi.kda as kda
+    from gpt2kimi.mla import MultiHeadLatentAttention
+
+    config = tiny_config()
+    torch.manual_seed(0)
+    model = KimiHybrid(config).double().eval()
+    calls = []
+    recurrent, absorbed = kda.kda_recurrent, MultiHeadLatentAttention.attend_absorbed
+
+    def spy_recurrent(q, *args, **kwargs):
+        calls.append(("kda step", q.shape[1]))
+        return recurrent(q, *args, **kwargs)
+
+    def spy_absorbed(self, q_nope, *args):
+        calls.append(("mla absorbed", q_nope.shape[2]))
+        return absorbed(self, q_nope, *args)
+
+    monkeypatch.setattr(kda, "kda_recurrent", spy_recurrent)
+    monkeypatch.setattr(MultiHeadLatentAttention, "attend_absorbed", spy_absorbed)
+    idx = torch.randint(0, config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(4))
+    cache = model.new_cache(2, 16)
+    with torch.no_grad():
+        full = model(idx)
+        prefill = model(idx[:, :10], cache=cache)
+        assert calls == []  # the prompt: chunk form and expanded attention only
+        step = model(idx[:, 10:], cache=cache)
+    assert sorted(calls) == [("kda step", 1)] * 2 + [("mla absorbed", 1)] * 2
+    # the norms compute in fp32, as transformers' do: float32 tolerance
+    torch.testing.assert_close(torch.cat([prefill, step], 1), full, atol=1e-6, rtol=1e-6)
+
+
 def test_cache_bytes_split_into_growing_and_fixed():
     config = tiny_config()
     model = KimiHybrid(config).eval()
