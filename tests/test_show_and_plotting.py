@@ -8,7 +8,7 @@ matplotlib.use("Agg")
 import torch  # noqa: E402
 
 from gpt2kimi.gpt2 import GPT2, Block, gpt2_param_count  # noqa: E402
-from gpt2kimi.plotting import COLORS, new_axes, plot_history, use_style  # noqa: E402
+from gpt2kimi.plotting import COLORS, COLUMN_WIDTH, new_axes, plot_history, use_style  # noqa: E402
 from gpt2kimi.show import source_of  # noqa: E402
 from gpt2kimi.train import History  # noqa: E402
 
@@ -57,6 +57,9 @@ def test_source_of_unwraps_decorated_functions():
 
 def test_plotting_style_and_history():
     use_style()
+    # Inline figures are 100 dpi, so the default figure fits the book's column at full size.
+    assert matplotlib.rcParams["figure.dpi"] == 100
+    assert matplotlib.rcParams["figure.figsize"][0] <= COLUMN_WIDTH
     ax = new_axes("title states the finding", "step", "loss (nats)")
     assert ax.get_xlabel() == "step" and ax.get_title() == "title states the finding"
     h = History(steps=[0, 1, 2], train_loss=[3.0, 2.0, 1.0], val_steps=[3], val_loss=[1.5])

@@ -54,7 +54,7 @@ class GPT2Config:
 
 
 def gpt2_param_count(config: GPT2Config) -> int:
-    """Parameters of GPT-2 by formula: ``V d + T d + L (12 d² + 13 d) + 2 d`` (head tied).
+    """GPT-2's parameters: ``vocab_size·d + block_size·d + L (12 d² + 13 d) + 2 d`` (head tied).
 
     Per layer: attention ``4 d² + 4 d`` (q, k, v and output projections with biases), MLP
     ``8 d² + 5 d`` (d → 4d → d with biases), two LayerNorms ``4 d``.

@@ -2,6 +2,12 @@
 
 Every plot has labelled axes with units and a title that states the finding. Colours are fixed per
 model family, so "linear attention" is the same colour in every chapter.
+
+Figures are drawn at 100 dpi, so a figure ``w`` inches wide is ``100 w`` pixels. The book's article
+column is about 810 pixels wide in a 1280-pixel window: a figure up to :data:`COLUMN_WIDTH`
+inches wide is shown at full size, and the book's browser test fails a figure shown below 0.86
+of its size (10-point text would then be smaller than the 12-pixel code). Two panels side by side
+therefore share those 8 inches, or go one per row.
 """
 
 from __future__ import annotations
@@ -13,6 +19,9 @@ import matplotlib.pyplot as plt
 
 if TYPE_CHECKING:
     from gpt2kimi.train import History
+
+# The widest figure (inches, at 100 dpi) that the book's column shows at full size.
+COLUMN_WIDTH = 8.0
 
 # One colour per memory mechanism, used across chapters.
 COLORS = {

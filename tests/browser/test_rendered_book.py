@@ -34,7 +34,6 @@ PAGES = [*PAGES_WITH_MATH, "book/references.html"]
 CH2, CH4, CH5 = (f"notebooks/{n}.html" for n in ("02_kv_cache", "04_deltanet", "05_gating"))
 KNOWN: dict[tuple[str, str], str] = {
     ("raw markup", CH5): "the KDA update's TeX, wrapped at a '+', renders as a list item",
-    ("source captions", CH2): "committed output names utils/_contextlib.py: re-run the notebook",
     ("figure scale", CH4): "the capacity figure is 11 inches wide",
     ("figure scale", CH5): "the rewrite bar figure is 12 inches wide",
     ("overflow", CH4): "prints a 156-character settings dict",
