@@ -363,6 +363,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--prompts", nargs="+", type=int, default=[32, 1024],
+                   help="prompt lengths of the comparison with transformers' generate")
     p.add_argument("--train", choices=["lm", "mqar"], help="train instead (results file)")
     p.add_argument("--models", nargs="+", default=["gpt2", "3:1", "0:1", "1:1", "all-KDA"])
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
@@ -396,13 +398,14 @@ def main(argv: list[str]) -> None:
     print(format_sweep(decode_sweep(args.contexts, batch=args.batch, steps=args.steps)))
     if not args.no_transformers:
         try:
-            r = against_transformers()
+            for prompt_len in args.prompts:
+                r = against_transformers(prompt_len=prompt_len)
+                print(
+                    f"generate {r['new_tokens']} tokens after {r['prompt_len']}: this library "
+                    f"{r['ours_s']:.3f} s, transformers {r['transformers_s']:.3f} s "
+                    f"({r['transformers_s'] / r['ours_s']:.1f}x), same tokens: "
+                    f"{r['same_tokens']}"
+                )
         except ImportError:
             print("transformers is not installed: skipped the comparison with it")
-        else:
-            print(
-                f"generate {r['new_tokens']} tokens after {r['prompt_len']}: this library "
-                f"{r['ours_s']:.3f} s, transformers {r['transformers_s']:.3f} s "
-                f"({r['transformers_s'] / r['ours_s']:.1f}x), same tokens: {r['same_tokens']}"
-            )
     print(f"({time.perf_counter() - start:.0f} s)")
