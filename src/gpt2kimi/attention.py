@@ -17,6 +17,7 @@ chapter-1 :class:`gpt2kimi.gpt2.Block` directly. ``SoftmaxAttention(d_model, n_h
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -130,17 +131,19 @@ class SoftmaxAttention(nn.Module):
         if state is not None:
             n_past = state.pos
             k, v = state.update(k, v)  # now every key and value so far: [B, n_kv, n_past + T, D]
-        if self.group_size > 1:  # query head h reads key/value head h // group_size
-            k = k.repeat_interleave(self.group_size, dim=1)
-            v = v.repeat_interleave(self.group_size, dim=1)
-        dropout = self.dropout if self.training else 0.0
+        # Query head h reads key/value head h // group_size: enable_gqa shares each key/value
+        # head with its group (repeat_interleave would copy the whole cache, every step).
+        attend = functools.partial(
+            F.scaled_dot_product_attention,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.group_size > 1,
+        )
         if n_past == 0:  # as many queries as keys: the plain causal triangle
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+            y = attend(q, k, v, is_causal=True)
         elif T == 1:  # one new token reads everything cached: no mask needed
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
+            y = attend(q, k, v)
         else:
-            mask = cached_causal_mask(T, n_past, device=x.device)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+            y = attend(q, k, v, attn_mask=cached_causal_mask(T, n_past, device=x.device))
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads
         y = self.c_proj(y)
         return (y, state) if return_state else y
