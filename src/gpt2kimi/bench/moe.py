@@ -137,8 +137,8 @@ def format_table(result: dict) -> str:
     }
     lines = [
         f"{s['tokens']} tokens, d={s['d_model']}, {s['n_experts']} experts of width "
-        f"{s['expert_hidden']}, top-{s['top_k']}, {s['n_shared']} shared; fp32, "
-        f"{s['threads']} thread(s), fastest of {s['rounds']} interleaved rounds",
+        f"{s['expert_hidden']}, top-{s['top_k']}, {s['n_shared']} shared",
+        f"fp32, {s['threads']} thread(s), fastest of {s['rounds']} interleaved rounds",
         f"{'':<34}{'ms':>8}{'tokens/s':>11}{'time / MoE':>12}",
     ]
     base = result["seconds"]["moe"]
