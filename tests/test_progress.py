@@ -1,6 +1,7 @@
 """Progress bars: on in a terminal, off in a notebook kernel, and the environment decides first."""
 
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,10 +23,18 @@ def test_default_is_off_in_a_kernel_and_on_elsewhere(monkeypatch, in_kernel):
     assert progress_enabled() is (not in_kernel)
 
 
-def test_kernel_detection_follows_ipykernel(monkeypatch):
-    monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
+def test_kernel_detection_asks_the_running_shell(monkeypatch):
+    def fake_ipython(config):
+        shell = SimpleNamespace(config=config) if config is not None else None
+        return SimpleNamespace(get_ipython=lambda: shell)
+
+    monkeypatch.delitem(sys.modules, "IPython", raising=False)
     assert not progress_module.in_jupyter_kernel()
-    monkeypatch.setitem(sys.modules, "ipykernel", object())
+    monkeypatch.setitem(sys.modules, "IPython", fake_ipython(None))  # imported, no shell
+    assert not progress_module.in_jupyter_kernel()
+    monkeypatch.setitem(sys.modules, "IPython", fake_ipython({}))  # a terminal IPython
+    assert not progress_module.in_jupyter_kernel()
+    monkeypatch.setitem(sys.modules, "IPython", fake_ipython({"IPKernelApp": {}}))
     assert progress_module.in_jupyter_kernel()
 
 
@@ -50,3 +59,21 @@ def test_live_bar_counts_to_its_total_on_stderr(monkeypatch, capsys):
     bar.close()
     _, err = capsys.readouterr()
     assert "runs" in err and "2/2" in err
+
+
+def test_a_kernel_without_ipywidgets_gets_the_text_bar_and_no_warning(monkeypatch, recwarn):
+    monkeypatch.setenv(ENV, "1")
+    monkeypatch.setattr(progress_module, "in_jupyter_kernel", lambda: True)
+    monkeypatch.setattr(progress_module.importlib.util, "find_spec", lambda name: None)
+    assert progress_module.bar_class() is progress_module.text_tqdm
+    progress(total=1).close()
+    assert not recwarn.list
+
+
+def test_importing_the_library_does_not_import_tqdm_auto():
+    # tqdm.auto warns on stderr in a kernel without ipywidgets: that would land in notebook outputs
+    import subprocess
+
+    code = "import sys, gpt2kimi.train; print('tqdm.auto' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False" and out.stderr == ""

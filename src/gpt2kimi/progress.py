@@ -12,18 +12,24 @@ output by output (nbval), so inside a Jupyter kernel the bars are off unless ask
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from collections.abc import Iterable
 
-from tqdm.auto import tqdm
+from tqdm import tqdm as text_tqdm
 
 ENV = "GPT2KIMI_PROGRESS"
 
 
 def in_jupyter_kernel() -> bool:
-    """True when running inside an IPython kernel (a notebook, nbval, nbconvert, Jupyter Book)."""
-    return "ipykernel" in sys.modules
+    """True when running inside an IPython kernel (a notebook, nbval, nbconvert, Jupyter Book).
+
+    Asked of the running shell, not of ``sys.modules``: test runners import ipykernel too.
+    """
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return shell is not None and "IPKernelApp" in getattr(shell, "config", {})
 
 
 def progress_enabled() -> bool:
@@ -34,6 +40,19 @@ def progress_enabled() -> bool:
     return not in_jupyter_kernel()
 
 
+def bar_class() -> type[text_tqdm]:
+    """JupyterLab's widget bar in a kernel that has ipywidgets, the text bar everywhere else.
+
+    Chosen by hand rather than with ``tqdm.auto``: without ipywidgets, ``tqdm.auto`` warns on
+    stderr as soon as it is imported, and that warning would land in every executed notebook.
+    """
+    if in_jupyter_kernel() and importlib.util.find_spec("ipywidgets") is not None:
+        from tqdm.notebook import tqdm as widget_tqdm
+
+        return widget_tqdm
+    return text_tqdm
+
+
 def progress(
     iterable: Iterable | None = None,
     *,
@@ -41,26 +60,28 @@ def progress(
     desc: str | None = None,
     unit: str = "it",
     leave: bool = True,
-) -> tqdm:
+) -> text_tqdm:
     """A tqdm bar over ``iterable`` (or updated by hand up to ``total``), or a silent one.
 
     A silent bar accepts the same calls (``update``, ``set_postfix``, ``close``) and does nothing,
     so callers never branch on whether bars are on. Print through :func:`say` while a bar is open.
     """
-    return tqdm(
+    enabled = progress_enabled()
+    bar = bar_class() if enabled else text_tqdm
+    return bar(
         iterable,
         total=total,
         desc=desc,
         unit=unit,
         leave=leave,
-        disable=not progress_enabled(),
+        disable=not enabled,
         dynamic_ncols=True,
     )
 
 
 def say(line: str) -> None:
     """Print ``line`` to stdout without breaking an open progress bar (a plain print otherwise)."""
-    tqdm.write(line, file=sys.stdout)
+    text_tqdm.write(line, file=sys.stdout)
 
 
 def silence_progress_in_this_process() -> None:
