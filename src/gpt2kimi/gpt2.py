@@ -307,19 +307,27 @@ def convert_hf_state_dict(
         converted[name] = tensor.t() if name.endswith(CONV1D_WEIGHTS) else tensor
     if "lm_head.weight" not in converted and "transformer.wte.weight" in converted:
         converted["lm_head.weight"] = converted["transformer.wte.weight"]
-    missing = sorted(set(expected) - set(converted))
+    report = checkpoint_problems(expected, converted, unexpected)
+    if report:
+        raise CheckpointError("cannot load GPT-2 checkpoint; " + report)
+    return converted
+
+
+def checkpoint_problems(
+    expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], unexpected: list[str]
+) -> str:
+    """One message naming every missing key, unexpected key and shape mismatch ('' if none)."""
+    missing = sorted(set(expected) - set(found))
     mismatched = [
         f"{k}: checkpoint {tuple(t.shape)} vs model {tuple(expected[k].shape)}"
-        for k, t in converted.items()
+        for k, t in found.items()
         if t.shape != expected[k].shape
     ]
-    if missing or unexpected or mismatched:
-        problems = []
-        if missing:
-            problems.append(f"missing keys: {missing}")
-        if unexpected:
-            problems.append(f"unexpected keys: {sorted(unexpected)}")
-        if mismatched:
-            problems.append(f"mismatched shapes: {mismatched}")
-        raise CheckpointError("cannot load GPT-2 checkpoint; " + "; ".join(problems))
-    return converted
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {missing}")
+    if unexpected:
+        problems.append(f"unexpected keys: {sorted(unexpected)}")
+    if mismatched:
+        problems.append(f"mismatched shapes: {mismatched}")
+    return "; ".join(problems)

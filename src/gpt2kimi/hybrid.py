@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from gpt2kimi.accounting import ModelConfig
 from gpt2kimi.backbone import BackboneConfig, LanguageModel, ModelCache, SwiGLU
-from gpt2kimi.gpt2 import CheckpointError
+from gpt2kimi.gpt2 import CheckpointError, checkpoint_problems
 from gpt2kimi.kda import KimiDeltaAttention
 from gpt2kimi.kv_cache import generate as _generate
 from gpt2kimi.mla import LatentCache, MLAConfig, MultiHeadLatentAttention
@@ -487,26 +487,6 @@ def convert_hf_state_dict(
     if report:
         raise CheckpointError("cannot load Kimi Linear checkpoint; " + report)
     return converted
-
-
-def checkpoint_problems(
-    expected: Mapping[str, Tensor], found: Mapping[str, Tensor], unexpected: list[str]
-) -> str:
-    """One message naming every missing key, unexpected key and shape mismatch ('' if none)."""
-    missing = sorted(set(expected) - set(found))
-    mismatched = [
-        f"{k}: checkpoint {tuple(t.shape)} vs model {tuple(expected[k].shape)}"
-        for k, t in found.items()
-        if t.shape != expected[k].shape
-    ]
-    problems = []
-    if missing:
-        problems.append(f"missing keys: {missing}")
-    if unexpected:
-        problems.append(f"unexpected keys: {sorted(unexpected)}")
-    if mismatched:
-        problems.append(f"mismatched shapes: {mismatched}")
-    return "; ".join(problems)
 
 
 # ----------------------------------------------------------------------------------------------
