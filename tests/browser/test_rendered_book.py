@@ -31,16 +31,7 @@ PAGES_WITH_MATH = ["book/intro.html", "book/notation.html", *CHAPTERS]
 PAGES = [*PAGES_WITH_MATH, "book/references.html"]
 
 # Pages that still fail a check, and why. Each is a strict xfail (see the module docstring).
-CH4, CH5 = (f"notebooks/{n}.html" for n in ("04_deltanet", "05_gating"))
-KNOWN: dict[tuple[str, str], str] = {
-    ("raw markup", CH5): "the KDA update's TeX, wrapped at a '+', renders as a list item",
-    ("figure scale", CH4): "the capacity figure is 11 inches wide",
-    ("figure scale", CH5): "the rewrite bar figure is 12 inches wide",
-    ("overflow", CH4): "prints a 156-character settings dict",
-    ("overflow", CH5): "prints a 156-character settings dict",
-    ("internal words", CH4): "'the setting of the issue', 'a heavily shared 2-core machine'",
-    ("internal words", CH5): "'the reference sheet', 'on a shared machine'",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def pages(check: str, names: list[str]) -> list:
