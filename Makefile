@@ -57,10 +57,11 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest tests --ignore=tests/browser
 
 # One pytest per notebook, NBVAL_JOBS at a time, the longest first; fails if any notebook fails.
-# GPT2KIMI_PROGRESS=0 keeps progress bars out of the outputs nbval compares.
+# Each prints its wall time. GPT2KIMI_PROGRESS=0 keeps progress bars out of the compared outputs.
 notebooks: $(STAMP)
-	ls -S notebooks/*.ipynb | GPT2KIMI_PROGRESS=0 xargs -P $(NBVAL_JOBS) -I{} \
-	  $(BIN)/python -m pytest --nbval {} -p no:cacheprovider
+	ls -S notebooks/*.ipynb | GPT2KIMI_PROGRESS=0 xargs -P $(NBVAL_JOBS) -I{} sh -c \
+	  'start=$$(date +%s); $(BIN)/python -m pytest --nbval {} -p no:cacheprovider; rc=$$?; \
+	   echo "nbval {}: $$(( $$(date +%s) - start )) s"; exit $$rc'
 
 # nbval has just re-executed every notebook against its committed outputs, so the test build
 # renders those outputs instead of executing everything a second time.
