@@ -26,6 +26,7 @@ from torch import nn
 from gpt2kimi.attention import SoftmaxAttention
 from gpt2kimi.backbone import LanguageModel, ModelCache
 from gpt2kimi.bench.machine import machine_info
+from gpt2kimi.bench.timing import fastest_interleaved, timed
 from gpt2kimi.data import lm_batches, load_corpus
 from gpt2kimi.experiment import training_settings
 from gpt2kimi.gpt2 import GPT2, GPT2Config, gpt2_param_count
@@ -130,18 +131,6 @@ def decode_timer(
     return run
 
 
-def fastest_interleaved(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
-    """Seconds of each run, the fastest of ``rounds`` rounds in which every run goes once, one
-    after the other (after one warm-up round): a slow phase of the machine hits all of them."""
-    for run in runs.values():
-        run()
-    best = {name: float("inf") for name in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            best[name] = min(best[name], run())
-    return best
-
-
 def decode_tokens_per_second(
     model: nn.Module, context: int, *, batch: int = 8, steps: int = 8, repeats: int = 3
 ) -> float:
@@ -215,13 +204,6 @@ def against_transformers(
                            eos_token_id=None, pad_token_id=0)
 
     same = torch.equal(ours(), theirs())
-
-    def timed(fn: Callable[[], torch.Tensor]) -> Callable[[], float]:
-        def run() -> float:
-            start = time.perf_counter()
-            fn()
-            return time.perf_counter() - start
-        return run
 
     best = fastest_interleaved({"ours": timed(ours), "theirs": timed(theirs)}, rounds)
     t_ours, t_theirs = best["ours"], best["theirs"]

@@ -13,13 +13,12 @@ machine; the unit tests never assert them.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 from functools import partial
 
 import torch
 from torch import nn
 
+from gpt2kimi.bench.timing import fastest_interleaved, timed
 from gpt2kimi.moe import MoE, MoEConfig, dense_equivalent
 
 
@@ -52,23 +51,6 @@ def kimi_linear_moe(config: MoEConfig, experts_implementation: str = "eager") ->
     )
     hf_config._experts_implementation = experts_implementation
     return KimiLinearMoE(hf_config)
-
-
-def time_side_by_side(fns: dict[str, Callable[[], object]], rounds: int = 5) -> dict[str, float]:
-    """Fastest seconds of each function; every round runs each once, in turn, after a warm-up.
-
-    Interleaving spreads any change of machine load over all of them alike, and the fastest of
-    the rounds is the one least disturbed by other work on the machine.
-    """
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: min(ts) for name, ts in times.items()}
 
 
 def moe_speed(
@@ -106,7 +88,8 @@ def moe_speed(
                 diff = max(diff or 0.0, (moe(x) - hf(x)).abs().max().item())
             except (RuntimeError, NotImplementedError):  # a kernel this build lacks
                 del fns[name]
-        seconds = time_side_by_side({name: partial(fn, x) for name, fn in fns.items()}, rounds)
+        runs = {name: timed(partial(fn, x)) for name, fn in fns.items()}
+        seconds = fastest_interleaved(runs, rounds)
     settings = dict(
         tokens=tokens,
         d_model=d_model,

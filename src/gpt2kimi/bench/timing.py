@@ -17,3 +17,30 @@ def time_fn(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> floa
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def timed(fn: Callable[[], object]) -> Callable[[], float]:
+    """A run for :func:`fastest_interleaved`: calls ``fn()`` and returns the seconds it took."""
+
+    def run() -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    return run
+
+
+def fastest_interleaved(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
+    """Seconds of each run, the fastest of ``rounds`` rounds in which every run goes once, in turn
+    (after one warm-up round): a slow phase of the machine hits all of them alike.
+
+    Each run returns the seconds it measured itself, so it can leave its setup out of the clock
+    (wrap a plain function with :func:`timed`).
+    """
+    for run in runs.values():
+        run()
+    best = {name: float("inf") for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            best[name] = min(best[name], run())
+    return best
