@@ -243,6 +243,11 @@ def test_cache_overflow_and_mismatched_caches_give_clear_errors():
         mla(x, mla.expanded_cache(1, 4))
     with pytest.raises(ValueError, match="4 heads and keys of width 10"):
         mla.forward_expanded_cache(x, ExpandedKVCache(1, 2, 4, 10, 5, dtype=torch.float64))
+    narrow = ExpandedKVCache(1, 2, 4, 10, 5)  # keys 10 wide, values 5: chapter 2's update checks
+    k_all, v_all = narrow.update(torch.randn(1, 2, 3, 10), torch.randn(1, 2, 3, 5))
+    assert k_all.shape == (1, 2, 3, 10) and v_all.shape == (1, 2, 3, 5)
+    with pytest.raises(ValueError, match=r"\(1, 2, 1, 10\) and \(1, 2, 1, 5\)"):
+        narrow.update(torch.randn(1, 2, 1, 10), torch.randn(1, 2, 1, 10))
 
 
 @pytest.mark.parametrize(

@@ -85,11 +85,12 @@ class LayerKVCache:
 
         The returned tensors are views ``[B, n_kv_heads, pos, head_dim]`` of the buffers.
         """
-        expected = (*self.k.shape[:2], k.size(2), self.k.size(3))
-        if tuple(k.shape) != expected or tuple(v.shape) != expected:
+        new = (*self.k.shape[:2], k.size(2))  # batch, kv heads, new tokens
+        k_shape, v_shape = (*new, self.k.size(3)), (*new, self.v.size(3))  # MLA: v narrower
+        if tuple(k.shape) != k_shape or tuple(v.shape) != v_shape:
             raise ValueError(
-                f"expected k and v of shape {expected} (batch, kv heads, new tokens, head dim: "
-                f"the cache was allocated for batch size {self.k.size(0)}), "
+                f"expected k and v of shapes {k_shape} and {v_shape} (batch, kv heads, new tokens, "
+                f"head dim: the cache was allocated for batch size {self.k.size(0)}), "
                 f"got {tuple(k.shape)} and {tuple(v.shape)}"
             )
         start, end = self.pos, self.pos + k.size(2)

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from gpt2kimi.attention import cached_causal_mask
 from gpt2kimi.backbone import RMSNorm
-from gpt2kimi.kv_cache import CacheOverflowError, LayerKVCache
+from gpt2kimi.kv_cache import LayerKVCache
 
 # ----------------------------------------------------------------------------------------------
 # configuration
@@ -220,27 +220,6 @@ class ExpandedKVCache(LayerKVCache):
         if v_dim < 1:
             raise ValueError(f"v_dim must be at least 1, got {v_dim}")
         self.v = torch.zeros(batch_size, n_head, max_len, v_dim, dtype=dtype, device=device)
-
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append k ``[B, H, T, k_dim]`` and v ``[B, H, T, v_dim]``; return views of all so far."""
-        B, H, _, _ = self.k.shape
-        k_expected = (B, H, k.size(2), self.k.size(3))
-        v_expected = (B, H, k.size(2), self.v.size(3))
-        if tuple(k.shape) != k_expected or tuple(v.shape) != v_expected:
-            raise ValueError(
-                f"expected k of shape {k_expected} and v of shape {v_expected} (batch, heads, "
-                f"new tokens, width), got {tuple(k.shape)} and {tuple(v.shape)}"
-            )
-        start, end = self.pos, self.pos + k.size(2)
-        if end > self.max_len:
-            raise CacheOverflowError(
-                f"the KV cache holds {self.max_len} tokens; {start} are cached and {k.size(2)} "
-                "more do not fit"
-            )
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        self.pos = end
-        return self.k[:, :, :end], self.v[:, :, :end]
 
 
 class LatentCache:
