@@ -9,6 +9,11 @@ on the same weights (when ``transformers`` is installed).
 
     python -m gpt2kimi.bench hybrid                          # 1K … 16K tokens, batch 8
     python -m gpt2kimi.bench hybrid --contexts 1024 4096 --batch 4
+
+With ``--train`` it trains instead and writes a results file (chapter 8's, three seeds each):
+
+    python -m gpt2kimi.bench hybrid --train lm --out book/data/hybrid_lm.json
+    python -m gpt2kimi.bench hybrid --train mqar --out book/data/hybrid_mqar.json
 """
 
 from __future__ import annotations
@@ -349,9 +354,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="prompt lengths of the comparison with transformers' generate")
     p.add_argument("--train", choices=["lm", "mqar"], help="train instead (results file)")
     p.add_argument("--models", nargs="+", default=["gpt2", "3:1", "0:1", "1:1", "all-KDA"])
-    p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--train-steps", type=int, default=None)
-    p.add_argument("--pairs", nargs="+", type=int, default=[2, 4, 8])
+    p.add_argument("--pairs", nargs="+", type=int, default=[1, 2, 4, 8])  # chapters 3-6
     p.add_argument("--jobs", type=int, default=2, help="parallel single-threaded runs")
     p.add_argument("--out", default="-", help="JSON results file ('-': do not write)")
     return p.parse_args(argv)
