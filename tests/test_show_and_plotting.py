@@ -2,13 +2,21 @@ import functools
 from pathlib import Path
 
 import matplotlib
+import pytest
 
 matplotlib.use("Agg")
 
 import torch  # noqa: E402
 
 from gpt2kimi.gpt2 import GPT2, Block, gpt2_param_count  # noqa: E402
-from gpt2kimi.plotting import COLORS, COLUMN_WIDTH, new_axes, plot_history, use_style  # noqa: E402
+from gpt2kimi.plotting import (  # noqa: E402
+    COLORS,
+    COLUMN_WIDTH,
+    mean_and_range,
+    new_axes,
+    plot_history,
+    use_style,
+)
 from gpt2kimi.show import source_of  # noqa: E402
 from gpt2kimi.train import History  # noqa: E402
 
@@ -66,3 +74,12 @@ def test_plotting_style_and_history():
     ax = plot_history(h, label="x")
     assert len(ax.lines) == 2
     assert {"softmax", "linear", "deltanet", "gated_deltanet", "kda"} <= set(COLORS)
+
+
+def test_mean_and_range_gives_errorbar_distances_to_min_and_max():
+    means, bars = mean_and_range([[0.5, 1.0, 0.0], [0.25], [0.2, 0.4]])
+    assert means == pytest.approx([0.5, 0.25, 0.3])
+    assert bars[0] == pytest.approx([0.5, 0.0, 0.1])  # down to each group's min
+    assert bars[1] == pytest.approx([0.5, 0.0, 0.1])  # up to each group's max
+    with pytest.raises(ValueError, match="non-empty groups"):
+        mean_and_range([[1.0], []])

@@ -12,6 +12,7 @@ therefore share those 8 inches, or go one per row.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import matplotlib as mpl
@@ -68,6 +69,21 @@ def new_axes(title: str, xlabel: str, ylabel: str, ax: plt.Axes | None = None) -
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     return ax
+
+
+def mean_and_range(groups: Sequence[Sequence[float]]) -> tuple[list[float], list[list[float]]]:
+    """Each group's mean, and the distances from it down to the group's min and up to its max.
+
+    A group is one point's results over seeds; the second value is what ``errorbar`` takes as
+    ``yerr`` (or ``xerr``), so the bars span each point's min to max:
+    ``means, bars = mean_and_range(groups); ax.errorbar(x, means, yerr=bars)``.
+    """
+    if not groups or any(len(group) == 0 for group in groups):
+        raise ValueError(f"expected non-empty groups of values, got {list(map(list, groups))}")
+    means = [sum(group) / len(group) for group in groups]
+    below = [mean - min(group) for mean, group in zip(means, groups, strict=True)]
+    above = [max(group) - mean for mean, group in zip(means, groups, strict=True)]
+    return means, [below, above]
 
 
 def plot_history(
