@@ -1,8 +1,9 @@
 # Three commands for a newcomer:
 #   make book   build the book into _build/html from the notebooks' committed outputs (seconds)
 #   make lab    open the notebooks in JupyterLab to run and change them
-#   make test   unit tests, every notebook re-executed against its saved outputs (nbval),
-#               the book built with warnings as errors, and the rendered pages checked in Chromium
+#   make test   ruff, the import layering (lint-imports), unit tests, every notebook re-executed
+#               against its saved outputs (nbval), the book built with warnings as errors, and
+#               the rendered pages checked in Chromium
 # make book-exec builds the book re-executing every notebook whose code changed (minutes).
 PYTHON ?= python3
 VENV ?= .venv
@@ -54,6 +55,7 @@ test: unit notebooks book-check browser
 
 unit: $(STAMP)
 	$(BIN)/ruff check src tests book
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest tests --ignore=tests/browser
 
 # One pytest per notebook, NBVAL_JOBS at a time, the longest first; fails if any notebook fails.

@@ -10,6 +10,7 @@ from gpt2kimi.accounting import (
     attention_param_count,
     decode_memory_bytes,
     format_bytes,
+    gpt2_param_count,
     kv_cache_bytes,
     kv_cache_bytes_per_token,
     kv_cache_saving,
@@ -18,9 +19,9 @@ from gpt2kimi.accounting import (
     recurrent_state_bytes,
     total_cache_bytes,
 )
-from gpt2kimi.attention import SoftmaxAttention
-from gpt2kimi.gpt2 import GPT2Config, gpt2_param_count
-from gpt2kimi.kv_cache import GPT2WithCache, KVCache
+from gpt2kimi.attention import GPT2WithCache, SoftmaxAttention
+from gpt2kimi.gpt2 import GPT2Config
+from gpt2kimi.kv_cache import KVCache
 
 
 @pytest.mark.parametrize(

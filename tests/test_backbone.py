@@ -212,3 +212,18 @@ def test_decoding_with_a_cache_equals_one_pass_and_counts_positions():
     assert cache.nbytes == cfg.n_layer * per_layer
     with pytest.raises(ValueError, match="longer than n_positions=12"):
         model(x[:, :1], cache=cache)
+
+
+def test_an_empty_sequence_is_a_clear_error():
+    from gpt2kimi.deltanet import DeltaNet
+
+    # DeltaNet's short convolution would otherwise fail deep inside on a length-0 input
+    model = LanguageModel(
+        BackboneConfig(vocab_size=16, d_model=16, n_layer=1, n_head=2), lambda d, h: DeltaNet(d, h)
+    )
+    with pytest.raises(ValueError, match="at least one token.*got \\(2, 0\\)"):
+        model(torch.zeros(2, 0, dtype=torch.long))
+    cache = model.new_cache(2, 8)
+    model(ids(2, 3, V=16), cache=cache)
+    with pytest.raises(ValueError, match="at least one token"):
+        model(torch.zeros(2, 0, dtype=torch.long), cache=cache)

@@ -74,3 +74,17 @@ def test_lm_batches_are_reproducible():
 def test_unigram_entropy():
     assert unigram_entropy(torch.tensor([7, 7, 7])) == 0.0
     assert math.isclose(unigram_entropy(torch.arange(256)), math.log(256), rel_tol=1e-9)
+
+
+def test_a_file_that_is_not_utf8_names_the_file_and_the_byte(tmp_path):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes(b"hello \xff world")
+    with pytest.raises(ValueError, match="must be a UTF-8 text file") as err:
+        load_corpus(path)
+    message = str(err.value)
+    assert str(path) in message and "offset 6 (0xff)" in message
+    assert not isinstance(err.value, UnicodeDecodeError)  # a plain ValueError, not the codec's
+    # far into a file (past the chunks read_text decodes at a time) the offset is the file's
+    path.write_bytes(b"a" * 100_000 + b"\xc3")
+    with pytest.raises(ValueError, match="offset 100000 "):
+        load_corpus(path)

@@ -6,6 +6,9 @@ from functools import partial
 import pytest
 import torch
 
+import gpt2kimi.deltanet
+import gpt2kimi.gated_deltanet
+import gpt2kimi.kda
 from gpt2kimi.deltanet import DeltaNet, DeltaNetState
 from gpt2kimi.gated_deltanet import GatedDeltaNet
 from gpt2kimi.kda import KimiDeltaAttention
@@ -60,3 +63,35 @@ def test_layer_gradients_flow(cls):
 def test_layer_rejects_indivisible_heads(cls):
     with pytest.raises(ValueError, match="divisible by n_head"):
         cls(30, 4)
+
+
+# each layer's module and the name under which it imports its recurrent operator
+RECURRENT_STEP = {
+    DeltaNet: (gpt2kimi.deltanet, "recurrent_delta_rule"),
+    GatedDeltaNet: (gpt2kimi.gated_deltanet, "recurrent_gated_delta_rule"),
+    KimiDeltaAttention: (gpt2kimi.kda, "recurrent_kda"),
+}
+
+
+@pytest.mark.parametrize("cls", RECURRENT_STEP)
+def test_one_token_steps_use_the_recurrence_and_equal_the_chunk_form(cls, monkeypatch):
+    module, name = RECURRENT_STEP[cls]
+    recurrent, calls = getattr(module, name), []
+
+    def spy(q, *args, **kwargs):
+        calls.append(q.shape[1])
+        return recurrent(q, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    layer = make_layer(cls)  # float64, chunks of 8
+    x = torch.randn(2, 13, D_MODEL, dtype=torch.float64)
+    with torch.no_grad():
+        full, full_state = layer(x, return_state=True)  # the chunk form over 13 tokens
+        y, state = layer(x[:, :5], return_state=True)  # prefill: the chunk form
+        steps = [y]
+        for t in range(5, 13):  # decode: one step of the recurrence per token
+            y, state = layer(x[:, t : t + 1], state, return_state=True)
+            steps.append(y)
+    assert calls == [1] * 8  # only the single-token calls took the recurrent step
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(state.memory, full_state.memory, atol=1e-10, rtol=1e-10)

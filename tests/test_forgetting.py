@@ -7,15 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from gpt2kimi.ablations import AdditiveDeltaNet, KDAWithoutForgetting
 from gpt2kimi.backbone import BackboneConfig, LanguageModel
-from gpt2kimi.bench.forget import format_table, seed_stats
-from gpt2kimi.bench.forget import main as bench_main
-from gpt2kimi.bench.machine import machine_info
-from gpt2kimi.deltanet import DeltaNet, delta_rule_chunk
-from gpt2kimi.linear_attention import linear_attention_chunk
-from gpt2kimi.mqar import IGNORE, MQARTraining
-from gpt2kimi.recall_tasks import (
+from gpt2kimi.deltanet import DeltaNet
+from gpt2kimi.experiments.__main__ import forget_main
+from gpt2kimi.experiments.ablations import AdditiveDeltaNet, KDAWithoutForgetting
+from gpt2kimi.experiments.forget import format_table, seed_stats
+from gpt2kimi.experiments.mqar import IGNORE, MQARTraining
+from gpt2kimi.experiments.recall import (
     WINDOW_PARTS,
     WindowRecallConfig,
     run_window_recall,
@@ -24,7 +22,9 @@ from gpt2kimi.recall_tasks import (
     window_recall_scores,
     window_recall_sweep,
 )
-from gpt2kimi.zoo import MIXERS, build_model
+from gpt2kimi.experiments.registry import MIXERS, build_model
+from gpt2kimi.experiments.sweep import machine_info
+from gpt2kimi.ops import chunk_delta_rule, chunk_linear_attn
 
 CFG = WindowRecallConfig(vocab_size=64, seq_len=61, num_queries=8, window=3)
 TINY = BackboneConfig(vocab_size=64, d_model=16, n_layer=1, n_head=2)
@@ -189,7 +189,7 @@ def test_additive_deltanet_is_deltanets_layer_with_linear_attentions_update():
     x = torch.randn(2, 11, 16, dtype=torch.float64)
     y, state = layer(x, return_state=True)
     q, k, v, _ = reference.qkv(x, None)
-    o, memory = linear_attention_chunk(q, k, v)
+    o, memory = chunk_linear_attn(q, k, v)
     expected = reference.o_proj(reference.o_norm(o).reshape(2, 11, 16))
     torch.testing.assert_close(y, expected)
     torch.testing.assert_close(state.memory, memory)
@@ -209,7 +209,7 @@ def test_kda_without_forgetting_never_decays_and_trains():
     # every decay is 1: the memory is the plain delta rule's on the layer's q, k, v and β
     q, k, v, _ = layer.qkv(x, None)
     beta = torch.sigmoid(layer.b_proj(x))
-    _, memory = delta_rule_chunk(q, k, v, beta)
+    _, memory = chunk_delta_rule(q, k, v, beta)
     torch.testing.assert_close(state.memory, memory)
     # trainable as any mixer: finite gradients, none into the switched-off gate's input
     model = LanguageModel(TINY, KDAWithoutForgetting)
@@ -237,7 +237,7 @@ def test_the_command_writes_settings_machine_results_and_live_subset(tmp_path, c
     argv = "--mixers linear deltanet_additive --seeds 0 --vocab-size 64 --seq-len 61"
     argv += " --num-queries 8 --window 3 --steps 2 --batch-size 4 --jobs 1"
     argv += f" --live-mixers linear --live-steps 1 --out {out}"
-    bench_main(argv.split())
+    forget_main(argv.split())
     record = json.loads(out.read_text())
     assert [r["mixer"] for r in record["results"]] == ["linear", "deltanet_additive"]
     settings = record["settings"]

@@ -1,13 +1,12 @@
 import pytest
 import torch
 
+from gpt2kimi.accounting import PRESETS, gpt2_param_count
 from gpt2kimi.gpt2 import (
     GPT2,
-    PRESETS,
     CheckpointError,
     GPT2Config,
     attention_reference,
-    gpt2_param_count,
     sample_next_token,
 )
 
@@ -177,3 +176,32 @@ def test_generate_and_sampling():
     assert draws == {1}
     with pytest.raises(ValueError, match="temperature"):
         sample_next_token(logits, temperature=-1.0)
+
+
+def test_bad_ids_are_clear_errors():
+    model = GPT2(TINY)
+    with pytest.raises(ValueError, match="at least one token.*got \\(2, 0\\)"):
+        model(torch.zeros(2, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"must lie in \[0, 97\)"):
+        model(torch.full((1, 3), 97))
+    with pytest.raises(ValueError, match="must be integers"):
+        model(torch.zeros(1, 3))
+
+
+@pytest.mark.parametrize("prefix", ["transformer.", ""])
+def test_checkpoint_problems_are_named_as_the_checkpoint_spells_them(prefix):
+    sd = hf_layout_state_dict(GPT2(TINY), prefix)
+    del sd["lm_head.weight"]  # optional (tied): not reported
+    del sd[f"{prefix}wte.weight"]
+    del sd[f"{prefix}h.0.ln_1.bias"]
+    sd[f"{prefix}h.0.attn.c_attn.weight"] = torch.zeros(32, 95)  # Conv1D (in, out): wants 96
+    sd[f"{prefix}h.0.bogus"] = torch.zeros(1)
+    with pytest.raises(CheckpointError) as err:
+        GPT2.from_hf_state_dict(sd, TINY)
+    message = str(err.value)
+    assert f"missing keys: ['{prefix}h.0.ln_1.bias', '{prefix}wte.weight']" in message
+    assert f"unexpected keys: ['{prefix}h.0.bogus']" in message
+    assert f"{prefix}h.0.attn.c_attn.weight: checkpoint (32, 95) vs model (32, 96)" in message
+    assert "lm_head" not in message
+    if not prefix:
+        assert "transformer." not in message  # no local name leaks into the report

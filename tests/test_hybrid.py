@@ -273,7 +273,7 @@ def test_prefill_runs_the_parallel_forms_and_decode_the_stepwise_ones(monkeypatc
     torch.manual_seed(0)
     model = KimiHybrid(config).double().eval()
     calls = []
-    recurrent, absorbed = kda.kda_recurrent, MultiHeadLatentAttention.attend_absorbed
+    recurrent, absorbed = kda.recurrent_kda, MultiHeadLatentAttention.attend_absorbed
 
     def spy_recurrent(q, *args, **kwargs):
         calls.append(("kda step", q.shape[1]))
@@ -283,7 +283,7 @@ def test_prefill_runs_the_parallel_forms_and_decode_the_stepwise_ones(monkeypatc
         calls.append(("mla absorbed", q_nope.shape[2]))
         return absorbed(self, q_nope, *args)
 
-    monkeypatch.setattr(kda, "kda_recurrent", spy_recurrent)
+    monkeypatch.setattr(kda, "recurrent_kda", spy_recurrent)
     monkeypatch.setattr(MultiHeadLatentAttention, "attend_absorbed", spy_absorbed)
     idx = torch.randint(0, config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(4))
     cache = model.new_cache(2, 16)
@@ -343,11 +343,37 @@ def test_bad_checkpoints_list_every_problem():
     with pytest.raises(CheckpointError) as err:
         KimiHybrid.from_hf(bad, hf_config.to_dict())
     message = str(err.value)
-    assert "missing keys: ['blocks.1.mixer.kv_b_proj.weight']" in message
+    # named as the checkpoint spells them, not by this model's local names
+    assert "missing keys: ['model.layers.1.self_attn.kv_b_proj.weight']" in message
     assert "model.layers.0.self_attn.bogus.weight (as blocks.0.mixer.bogus.weight)" in message
     assert "model.rotary_emb.inv_freq" in message
-    assert "blocks.2.ffn.experts.down_proj: checkpoint (8, 32, 15) vs model (8, 32, 16)" in message
+    assert (
+        "model.layers.2.mlp.experts.down_proj: checkpoint (8, 32, 15) vs model (8, 32, 16)"
+    ) in message
+    assert "blocks.1.mixer.kv_b_proj" not in message and "blocks.2.ffn" not in message
     # a checkpoint of another shape of model: every layer's mismatch is named
     other = tiny_config(mixers=("kda", "kda", "kda", "mla"))
-    with pytest.raises(CheckpointError, match="blocks.1.mixer"):
+    with pytest.raises(CheckpointError, match="model.layers.1.self_attn"):
         KimiHybrid.from_hf(good, other)
+
+
+def test_checkpoint_problems_name_the_checkpoints_keys():
+    config = tiny_config()
+    hf_config, hf = kimi_linear(config)
+    bad = dict(hf.state_dict())
+    del bad["model.embed_tokens.weight"]
+    bad["model.layers.0.mlp.unknown"] = torch.zeros(1)
+    with pytest.raises(CheckpointError) as err:
+        KimiHybrid.from_hf(bad, hf_config.to_dict())
+    message = str(err.value)
+    assert "missing keys: ['model.embed_tokens.weight']" in message
+    assert "embed.weight" not in message.replace("model.embed_tokens.weight", "")
+    assert "unexpected keys: ['model.layers.0.mlp.unknown (as blocks.0.ffn.unknown)']" in message
+
+
+def test_an_empty_sequence_is_a_clear_error():
+    model = KimiHybrid(tiny_config()).eval()
+    with pytest.raises(ValueError, match="at least one token"):
+        model(torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"must lie in \[0, 64\)"):
+        model(torch.full((1, 3), 64))

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
+from gpt2kimi.attention import GPT2WithCache
 from gpt2kimi.gpt2 import GPT2, GPT2Config
 from gpt2kimi.kv_cache import (
     CacheOverflowError,
-    GPT2WithCache,
     KVCache,
     LayerKVCache,
     generate,
@@ -63,12 +63,15 @@ def test_greedy_generation_is_identical_with_and_without_cache(n_kv_heads):
     assert torch.equal(with_cache[:, :5], x)
 
 
-def test_greedy_matches_chapter_1_generate_and_accepts_a_plain_gpt2():
+def test_greedy_matches_chapter_1_generate_once_a_plain_gpt2_is_converted():
     gpt2 = tiny_model(cls=GPT2)
     x = prompt(2, 4)
     expected = gpt2.generate(x, 10, temperature=0.0)
-    assert torch.equal(generate(gpt2, x, 10), expected)  # converted to GPT2WithCache inside
+    converted = GPT2WithCache.from_gpt2(gpt2, copy=False)  # the same weights, with a cache
+    assert torch.equal(generate(converted, x, 10), expected)
     assert torch.equal(generate(gpt2, x, 10, use_cache=False), expected)
+    with pytest.raises(TypeError, match=r"GPT2WithCache.from_gpt2\(model, copy=False\)"):
+        generate(gpt2, x, 10)  # chapter 1's GPT2 has no cache: the error says how to convert
 
 
 def test_sampling_with_a_seed_is_the_same_with_and_without_cache():
@@ -156,7 +159,7 @@ def test_training_still_works():
 
 def test_benchmark_helpers_on_a_tiny_model():
     """Structure only: unit tests never assert timings."""
-    from gpt2kimi.bench.kv_cache import format_table, generation_times, measure
+    from gpt2kimi.experiments.kv_cache_speed import format_table, generation_times, measure
 
     model = tiny_model()
     times = generation_times(model, prompt(1, 4), 6, use_cache=True)
@@ -183,3 +186,16 @@ def test_converting_shares_or_copies_the_weights():
     with torch.no_grad():
         copied.transformer.wte.weight.zero_()
     assert wte.abs().sum() > 0  # the original is untouched by what happens to a copy
+
+
+def test_an_empty_sequence_is_a_clear_error_with_or_without_a_cache():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="at least one token"):
+        model(torch.zeros(2, 0, dtype=torch.long))
+    cache = KVCache.for_model(model, 2)
+    with pytest.raises(ValueError, match="at least one token"):
+        model(torch.zeros(2, 0, dtype=torch.long), cache=cache)
+    model(prompt(2, 3), cache=cache)
+    with pytest.raises(ValueError, match="at least one token"):
+        model(torch.zeros(2, 0, dtype=torch.long), cache=cache)
+    assert cache.pos == 3

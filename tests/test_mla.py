@@ -13,6 +13,7 @@ from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAtten
 
 from gpt2kimi.accounting import attention_param_count
 from gpt2kimi.backbone import count_parameters
+from gpt2kimi.experiments.registry import build_model, mqar_model_config
 from gpt2kimi.kv_cache import CacheOverflowError
 from gpt2kimi.mla import (
     ExpandedKVCache,
@@ -25,7 +26,6 @@ from gpt2kimi.mla import (
     mla_param_count,
     rope_angles,
 )
-from gpt2kimi.zoo import build_model, mqar_model_config
 
 # tiny widths, all different, so that a swapped dimension cannot go unnoticed
 WIDTHS = dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=3, kv_lora_rank=20,
@@ -314,7 +314,7 @@ def test_joins_the_zoo_and_trains():
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
 def test_benchmark_softmax_decode_equals_chapter_2_layer(n_kv_heads):
     from gpt2kimi.attention import SoftmaxAttention
-    from gpt2kimi.bench.mla import softmax_decode
+    from gpt2kimi.experiments.mla_decode import softmax_decode
     from gpt2kimi.kv_cache import LayerKVCache
 
     layer = SoftmaxAttention(32, 4, n_kv_heads).double().eval()
@@ -329,7 +329,8 @@ def test_benchmark_softmax_decode_equals_chapter_2_layer(n_kv_heads):
 
 
 def test_benchmark_runs_every_method_and_counts_bytes():
-    from gpt2kimi.bench.mla import METHODS, bench_mla_config, cost, format_table, measure
+    from gpt2kimi.experiments.mla_decode import bench_mla_config, format_table, measure
+    from gpt2kimi.mla import METHODS, cost
 
     config = bench_mla_config(64, 4)
     rows = measure((16, 32), repeats=1, config=config)

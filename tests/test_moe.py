@@ -322,7 +322,7 @@ def test_wrong_width_is_rejected():
 
 
 def test_moe_ffn_in_the_backbone_through_the_zoo():
-    from gpt2kimi.zoo import FFNS, build_model
+    from gpt2kimi.experiments.registry import FFNS, build_model
 
     assert FFNS["moe"] is moe_ffn
     torch.manual_seed(0)

@@ -1,20 +1,27 @@
+import json
+
 import pytest
 import torch
 from torch import nn
 
 from gpt2kimi.attention import SoftmaxAttention
 from gpt2kimi.backbone import BackboneConfig, LanguageModel
-from gpt2kimi.mqar import (
+from gpt2kimi.experiments.__main__ import mqar_main
+from gpt2kimi.experiments.mqar import (
     IGNORE,
     MQARConfig,
     MQARTraining,
+    format_table,
     mqar_accuracy,
     mqar_batch,
     mqar_batches,
+    mqar_sweep,
     recall_accuracy,
+    run_mqar,
     sample_distinct,
     train_mqar,
 )
+from gpt2kimi.experiments.sweep import mean_over_seeds
 
 CFG = MQARConfig(vocab_size=64, seq_len=48, num_pairs=6)
 
@@ -146,18 +153,60 @@ def test_a_tiny_softmax_model_learns_a_tiny_mqar():
     assert result.history.train_loss[-1] < result.history.train_loss[0]
 
 
-def _double_and_count_threads(x: int) -> dict:
-    return {"x": 2 * x, "threads": torch.get_num_threads()}
+# ---------------------------------------------------------------------------------------------
+# the runs by mixer name
+
+QUICK = MQARTraining(steps=2, batch_size=4, warmup_steps=1, eval_sequences=8)
 
 
-def test_map_jobs_keeps_order_and_runs_workers_on_one_thread():
-    from gpt2kimi.mqar import map_jobs
+def test_run_mqar_returns_a_reproducible_record():
+    a = run_mqar("linear", 2, seq_len=16, training=QUICK, seed=3)
+    b = run_mqar("linear", 2, seq_len=16, training=QUICK, seed=3)
+    assert {"mixer", "num_pairs", "seed", "accuracy", "seconds", "final_loss"} <= set(a)
+    assert (a["mixer"], a["num_pairs"], a["seed"]) == ("linear", 2, 3)
+    assert a["accuracy"] == b["accuracy"] and a["final_loss"] == b["final_loss"]
+    assert 0.0 <= a["accuracy"] <= 1.0
 
-    seen = []
-    threads = torch.get_num_threads()
-    one = map_jobs(_double_and_count_threads, [3, 1, 2], jobs=1, log=seen.append)
-    assert [r["x"] for r in one] == [6, 2, 4] and seen == one
-    assert all(r["threads"] == threads for r in one)  # in this process: its threads untouched
-    two = map_jobs(_double_and_count_threads, [3, 1, 2], jobs=2)
-    assert [r["x"] for r in two] == [6, 2, 4] and all(r["threads"] == 1 for r in two)
-    assert torch.get_num_threads() == threads
+
+def test_sweep_covers_the_grid_in_order_and_summarises():
+    sweep = mqar_sweep(["softmax", "linear"], [1, 2], seeds=[0, 1], seq_len=8, training=QUICK)
+    grid = [(r["mixer"], r["num_pairs"], r["seed"]) for r in sweep["results"]]
+    assert grid == [(m, n, s) for m in ("softmax", "linear") for n in (1, 2) for s in (0, 1)]
+    assert sweep["results"][0] == run_mqar("softmax", 1, seq_len=8, training=QUICK, seed=0) | {
+        "seconds": sweep["results"][0]["seconds"]
+    }
+    assert sweep["settings"]["seq_len"] == 8 and sweep["settings"]["train_steps"] == 2
+    json.dumps(sweep)  # JSON-ready
+    expected = (sweep["results"][0]["accuracy"] + sweep["results"][1]["accuracy"]) / 2
+    assert mean_over_seeds(sweep["results"], mixer="softmax", num_pairs=1) == pytest.approx(
+        expected
+    )
+    with pytest.raises(KeyError):
+        mean_over_seeds(sweep["results"], mixer="kda", num_pairs=1)
+    table = format_table(sweep)
+    assert table.splitlines()[0].split() == ["mixer", "N=1", "N=2"]
+
+
+def test_the_command_writes_a_results_file(tmp_path, capsys):
+    out = tmp_path / "mqar.json"
+    mqar_main(
+        [
+            "--mixers",
+            "linear",
+            "--pairs",
+            "1",
+            "--seeds",
+            "0",
+            "--steps",
+            "2",
+            "--seq-len",
+            "8",
+            "--jobs",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
+    sweep = json.loads(out.read_text())
+    assert [r["mixer"] for r in sweep["results"]] == ["linear"]
+    assert "wrote" in capsys.readouterr().out

@@ -1,9 +1,10 @@
 import pytest
 import torch
+from torch import nn
 
 from gpt2kimi.data import lm_batches, load_corpus
 from gpt2kimi.gpt2 import GPT2, GPT2Config
-from gpt2kimi.train import TrainConfig, lr_at, train
+from gpt2kimi.train import TrainConfig, evaluating, lr_at, seeded_splits, train
 
 CFG = GPT2Config(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=32)
 
@@ -50,3 +51,35 @@ def test_progress_output(capsys):
           TrainConfig(steps=4, warmup_steps=1, eval_interval=2, eval_batches=1, log_interval=2))
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("step     2/4 | train") and "val" in lines[0]
+
+
+# seeded batch sources and eval mode, shared by every task
+
+
+def draw(generator):
+    return torch.rand(2, generator=generator), torch.rand(1, generator=generator)
+
+
+def test_seeded_splits_are_reproducible_separate_streams():
+    a, b = seeded_splits(draw, seed=3), seeded_splits(draw, seed=3)
+    assert torch.equal(a("train")[0], b("train")[0])
+    assert not torch.equal(a("val")[0], b("train")[0])
+    expected = torch.rand(2, generator=torch.Generator().manual_seed(2 * 3 + 1))
+    assert torch.equal(b("val")[0], expected)  # "val" of seed s is generator 2s + 1
+    per_split = seeded_splits({"train": draw, "val": lambda g: (torch.zeros(1), torch.ones(1))})
+    assert torch.equal(per_split("val")[1], torch.ones(1))
+    with pytest.raises(ValueError, match="split must be 'train' or 'val'"):
+        a("test")
+
+
+def test_evaluating_restores_the_mode_even_after_an_error():
+    model = nn.Dropout(0.5).train()
+    with evaluating(model):
+        assert not model.training
+    assert model.training
+    with pytest.raises(RuntimeError), evaluating(model):
+        raise RuntimeError
+    assert model.training
+    with evaluating(model.eval()):
+        pass
+    assert not model.training

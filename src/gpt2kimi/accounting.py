@@ -12,13 +12,50 @@ The formulas:
 
 Only layers with softmax attention (or MLA) have a KV cache; in a hybrid the others carry the
 fixed state. Unknown values are ``None``; a formula that needs one raises a clear error.
+
+GPT-2's sizes (:data:`PRESETS`) and its parameter formula (:func:`gpt2_param_count`) live here
+too: chapter 1's :mod:`gpt2kimi.gpt2` reads them. A support module: it imports no chapter, and
+takes the chapters' configs by their fields.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
+from typing import Protocol
 
-from gpt2kimi.gpt2 import PRESETS, GPT2Config, gpt2_param_count
+# GPT-2's four released sizes (Radford et al. 2019), read by chapter 1's GPT2Config.from_name.
+PRESETS = {
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
+}
+
+# what every size shares: the BPE vocabulary and 1024 learned positions (GPT2Config's defaults)
+GPT2_VOCAB_SIZE, GPT2_BLOCK_SIZE = 50257, 1024
+
+
+class GPT2Shape(Protocol):
+    """What the GPT-2 formulas read of a config: a :class:`gpt2kimi.gpt2.GPT2Config` has it all
+    (this support module takes the config by its fields and imports no chapter)."""
+
+    vocab_size: int
+    block_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+
+
+def gpt2_param_count(config: GPT2Shape) -> int:
+    """GPT-2's parameters: ``vocab_size·d + block_size·d + L (12 d² + 13 d) + 2 d`` (head tied).
+
+    Per layer: attention ``4 d² + 4 d`` (q, k, v and output projections with biases), MLP
+    ``8 d² + 5 d`` (d → 4d → d with biases), two LayerNorms ``4 d``.
+    """
+    d, L = config.n_embd, config.n_layer
+    return config.vocab_size * d + config.block_size * d + L * (12 * d * d + 13 * d) + 2 * d
+
 
 ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla")
 
@@ -87,7 +124,7 @@ class ModelConfig:
 
     @classmethod
     def from_gpt2(
-        cls, name: str, config: GPT2Config, n_kv_heads: int | None = None, source: str = ""
+        cls, name: str, config: GPT2Shape, n_kv_heads: int | None = None, source: str = ""
     ) -> ModelConfig:
         """The config of a GPT-2 (``n_kv_heads`` < ``n_head`` for its GQA/MQA variants)."""
         kv = config.n_head if n_kv_heads is None else n_kv_heads
@@ -208,14 +245,14 @@ _GPT2_NAMES = {
     "gpt2-large": "GPT-2 large",
     "gpt2-xl": "GPT-2 XL",
 }
-_GPT2_SRC = "Radford et al. 2019; parameters from gpt2.gpt2_param_count"
+_GPT2_SRC = "Radford et al. 2019; parameters from accounting.gpt2_param_count"
 
 # The one table of real models. Values are those of the book's reference sheet; None = unknown.
 MODELS: dict[str, ModelConfig] = {
     **{
         name: ModelConfig.from_gpt2(
             _GPT2_NAMES[name],
-            GPT2Config(**preset),
+            SimpleNamespace(vocab_size=GPT2_VOCAB_SIZE, block_size=GPT2_BLOCK_SIZE, **preset),
             source=_GPT2_SRC,
         )
         for name, preset in PRESETS.items()

@@ -9,8 +9,8 @@ This module never imports a chapter. It receives its parts as constructors:
   list with one per layer (a hybrid such as Kimi Linear's KDA ×3 + MLA).
 - ``ffn(d_model) -> nn.Module`` likewise (default: :class:`SwiGLU`; chapter 7 passes experts).
 
-The names (``"softmax"``, ``"linear"``, ...) live in :mod:`gpt2kimi.zoo`, the only module that
-imports every chapter.
+The names (``"softmax"``, ``"linear"``, ...) live in :mod:`gpt2kimi.experiments.registry`:
+:mod:`gpt2kimi.experiments` is the only package that imports every chapter.
 
 **The state contract.** Every token mixer of the book remembers earlier tokens in its own state
 object, and they all take it the same way::
@@ -39,7 +39,7 @@ object, and they all take it the same way::
 number of tokens seen), and ``model(idx, cache=cache)`` runs idx after the cached tokens, storing
 every block's new state back into the cache. ``gpt2kimi.kv_cache.generate`` needs nothing else
 (``model.new_cache`` and ``model(idx, cache=cache)``), so one ``generate`` decodes every mixer
-and every mix of mixers, chapter 2's GPT-2 included.
+and every mix of mixers, chapter 2's ``GPT2WithCache`` included.
 
 Positions: by default there is no positional embedding at all (NoPE), as in the MLA layers of
 Kimi Linear: a causal mask already tells a token which tokens came before it, and mixers with a
@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpt2kimi.experiment import evaluating
+from gpt2kimi.train import evaluating
 
 MixerFactory = Callable[[int, int], nn.Module]
 FFNFactory = Callable[[int], nn.Module]
@@ -384,6 +384,11 @@ class LanguageModel(nn.Module):
             raise ValueError(f"expected token ids of shape [B, T], got {tuple(idx.shape)}")
         if idx.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"token ids must be integers, got {idx.dtype}")
+        if idx.size(1) == 0:
+            raise ValueError(
+                f"a sequence needs at least one token: expected ids of shape [B, T] with T >= 1, "
+                f"got {tuple(idx.shape)}"
+            )
         n_pos = self.config.n_positions
         if n_pos is not None and start + idx.size(1) > n_pos:
             raise ValueError(

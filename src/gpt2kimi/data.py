@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from gpt2kimi.experiment import seeded_splits
+from gpt2kimi.train import seeded_splits
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -72,7 +72,23 @@ def train_val_split(
 
 def load_corpus(path: str | Path | None = None, val_fraction: float = 0.1) -> Corpus:
     """Load the built-in corpus (``path=None``) or a UTF-8 text file, byte-tokenized and split."""
-    text = builtin_text() if path is None else Path(path).read_text(encoding="utf-8")
+    if path is None:
+        text = builtin_text()
+    else:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            # read_text decodes in chunks (its offset counts from a chunk): decode the whole file
+            raw = Path(path).read_bytes()
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{path} is not UTF-8 text: byte at offset {err.start} "
+                    f"({raw[err.start]:#04x}) is not valid UTF-8; the training text must be a "
+                    "UTF-8 text file"
+                ) from err
+            raise
     tokenizer = ByteTokenizer()
     ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
     train, val = train_val_split(ids, val_fraction)
@@ -104,7 +120,7 @@ def lm_batches(
     """A batch source for :func:`gpt2kimi.train.train`: ``batches("train")`` or ``batches("val")``.
 
     Each split draws from its own seeded generator, so a run is reproducible
-    (:func:`gpt2kimi.experiment.seeded_splits`, as every task of the book).
+    (:func:`gpt2kimi.train.seeded_splits`, as every task of the book).
     """
     draws = {
         split: partial(get_batch, ids, batch_size, block_size)

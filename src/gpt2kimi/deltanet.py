@@ -4,14 +4,11 @@
 ``k_t`` and write back a fraction ``β_t`` of the error. It is one SGD step of size β_t on
 ``½‖S_tᵀ k_t − v_t‖²``.
 
-Two forms of the operator, with the conventions of ``linear_attention`` (q, k: [B, T, H, K];
-v: [B, T, H, V]; beta: [B, T, H]; state: [B, H, K, V]; ``o_t = S_tᵀ q_t``; ``scale`` on q):
-``delta_rule_recurrent`` (token by token) and ``delta_rule_chunk`` (chunkwise parallel, WY
-representation and UT transform, Yang et al. 2024). Its sequential part,
-``chunk_recurrence``, serves the gated forms of chapter 5 too.
-
-The layer ``DeltaNet`` and its parts (``l2_normalize``, ``DeltaNetState``) are the base of the
-gated layers of chapter 5.
+The operator lives in :mod:`gpt2kimi.ops` in two forms, named and ordered as fla's:
+``recurrent_delta_rule(q, k, v, beta)`` (token by token) and ``chunk_delta_rule`` (chunkwise
+parallel, WY representation and UT transform, Yang et al. 2024). This module holds the layer
+``DeltaNet`` and its parts (``l2_normalize``, ``DeltaNetState``), the base of the gated layers
+of chapter 5.
 """
 
 from __future__ import annotations
@@ -23,104 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gpt2kimi.backbone import CausalConv1d, RMSNorm
-from gpt2kimi.linear_attention import head_dim_of, merge_chunks, operator_inputs, split_chunks
-
-# ----------------------------------------------------------------------------------------------
-# the operator
-
-
-def delta_rule_recurrent(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    beta: Tensor,
-    scale: float | None = None,
-    initial_state: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """The delta rule, token by token: read the old value, write the error.
-
-    ``v_old = S_{t−1}ᵀ k_t``; ``S_t = S_{t−1} + β_t k_t (v_t − v_old)ᵀ``; ``o_t = S_tᵀ q_t``
-    (the same as ``S_t = (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ``).
-    q, k: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; initial_state: [B, H, K, V] or None.
-    Returns o: [B, T, H, V] in q's dtype and the final state: [B, H, K, V] (fp32 or fp64).
-    """
-    out_dtype = q.dtype
-    q, k, v, beta, S = operator_inputs(q, k, v, beta=beta, scale=scale, initial_state=initial_state)
-    outputs = []
-    for t in range(q.shape[1]):
-        q_t, k_t, v_t, beta_t = q[:, t], k[:, t], v[:, t], beta[:, t, :, None]
-        v_old = torch.einsum("bhkv,bhk->bhv", S, k_t)  # read: v_old = S_{t−1}ᵀ k_t
-        error = beta_t * (v_t - v_old)  # β_t (v_t − v_old)
-        S = S + torch.einsum("bhk,bhv->bhkv", k_t, error)  # write: S_t = S_{t−1} + k_t errorᵀ
-        outputs.append(torch.einsum("bhkv,bhk->bhv", S, q_t))  # o_t = S_tᵀ q_t
-    return torch.stack(outputs, dim=1).to(out_dtype), S
-
-
-def ut_transform(A: Tensor) -> Tensor:
-    """``T = (I + A)⁻¹`` for strictly lower-triangular A [..., C, C], all matrices at once.
-
-    ``I + A`` is unit lower-triangular, so one batched triangular solve (forward substitution)
-    inverts it; no loop over tokens.
-    """
-    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
-    return torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
-
-
-def chunk_recurrence(
-    q: Tensor, k: Tensor, W: Tensor, U: Tensor, scores: Tensor, S: Tensor, decay: Tensor | None
-) -> tuple[Tensor, Tensor]:
-    """The only sequential part of a delta-rule chunk form: one chunk at a time, carrying S.
-
-    Per chunk n (every input is ``[N, B, H, C, ·]``, chunk first): ``U' = U − W S``, then
-    ``O = Q S + P U'`` and ``S ← D S + Kᵀ U'``, with P the chunk's causal scores and D its
-    total decay (None: DeltaNet, which never forgets; the gated forms pass q and k already
-    decayed). Returns O [N, B, H, C, V] and the final S [B, H, K, V].
-    """
-    outputs = []
-    for n in range(len(q)):
-        # the errors the chunk writes, now that the memory before it is known
-        u = U[n] - W[n] @ S
-        outputs.append(q[n] @ S + scores[n] @ u)
-        S = (S if decay is None else decay[n] * S) + k[n].transpose(-1, -2) @ u
-    return torch.stack(outputs), S
-
-
-def delta_rule_chunk(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    beta: Tensor,
-    scale: float | None = None,
-    initial_state: Tensor | None = None,
-    chunk_size: int = 64,
-) -> tuple[Tensor, Tensor]:
-    """The delta rule, chunkwise parallel (WY representation + UT transform).
-
-    Inside a chunk of C tokens the C rank-one updates collapse into one: with
-    ``A = StrictLower(diag(β) K Kᵀ)``, ``T = (I + A)⁻¹``, ``W = T diag(β) K``, ``U = T diag(β) V``,
-    the chunk's pseudo-values are ``U' = U − W S`` and then ``O = Q S + (Q Kᵀ ⊙ M) U'``,
-    ``S ← S + Kᵀ U'`` (:func:`chunk_recurrence`). Everything else is computed for all chunks at
-    once; the only Python loop runs over chunks.
-    q, k: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; any T (the last chunk is padded).
-    Returns o: [B, T, H, V] in q's dtype and the final state: [B, H, K, V].
-    """
-    out_dtype, T = q.dtype, q.shape[1]
-    q, k, v, beta, S = operator_inputs(
-        q, k, v, beta=beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size
-    )
-    q, k, v = (split_chunks(x, chunk_size) for x in (q, k, v))  # [N, B, H, C, D]
-    beta = split_chunks(beta, chunk_size)[..., None]  # [N, B, H, C, 1]
-
-    k_beta = beta * k  # diag(β) K
-    # A: how much each write disturbs the later writes of the chunk
-    A = (k_beta @ k.transpose(-1, -2)).tril_(-1)
-    T_ut = ut_transform(A)  # one batched triangular solve for every chunk and head
-    W = T_ut @ k_beta
-    U = T_ut @ (beta * v)
-    scores = (q @ k.transpose(-1, -2)).tril_()  # causal, diagonal included
-    o, S = chunk_recurrence(q, k, W, U, scores, S, decay=None)
-    return merge_chunks(o, T).to(out_dtype), S
-
+from gpt2kimi.linear_attention import head_dim_of
+from gpt2kimi.ops import chunk_delta_rule, recurrent_delta_rule
 
 # ----------------------------------------------------------------------------------------------
 # the layer
@@ -197,8 +98,11 @@ class DeltaNet(nn.Module):
         q, k, v, conv = self.qkv(x, state)
         beta = torch.sigmoid(self.b_proj(x))  # [B, T, H], in (0, 1)
         memory = None if state is None else state.memory
-        o, memory = delta_rule_chunk(
-            q, k, v, beta, initial_state=memory, chunk_size=self.chunk_size
-        )
+        if T == 1:  # one decoded token: one step of the recurrence, without the chunk machinery
+            o, memory = recurrent_delta_rule(q, k, v, beta, initial_state=memory)
+        else:  # a prompt or a training sequence: the chunkwise-parallel form
+            o, memory = chunk_delta_rule(
+                q, k, v, beta, initial_state=memory, chunk_size=self.chunk_size
+            )
         y = self.o_proj(self.o_norm(o).reshape(B, T, -1))
         return (y, DeltaNetState(memory, conv)) if return_state else y

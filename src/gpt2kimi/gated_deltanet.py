@@ -4,13 +4,10 @@
 first fade the whole memory, then overwrite at key k_t as DeltaNet does (Yang, Kautz and
 Hatamizadeh 2024). The gate is carried in log space: ``g`` [B, T, H] is a log-decay (g <= 0).
 
-Inside a chunk, with ``γ`` the cumulative sum of g, a token i sees token j < i through the decay
-``Γ_ij = exp(γ_i − γ_j)``. It is built from the *difference* of the two log-sums, masked before
-exponentiating, so it never overflows: a ratio ``exp(γ_i) / exp(γ_j)`` would be 0 / 0 after a
-few strongly decaying tokens.
-
-Conventions as in ``linear_attention``: q, k [B, T, H, K]; v [B, T, H, V]; beta [B, T, H];
-state [B, H, K, V]; ``o_t = S_tᵀ q_t``; ``scale`` on q.
+The operator lives in :mod:`gpt2kimi.ops`, named and ordered as fla's:
+``recurrent_gated_delta_rule(q, k, v, g, beta)`` and ``chunk_gated_delta_rule``. This module
+holds the Mamba2-style gate (``log_decay`` and its initialisation), the gated output norm (also
+used by Kimi Delta Attention) and the layer :class:`GatedDeltaNet`.
 """
 
 from __future__ import annotations
@@ -22,113 +19,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gpt2kimi.backbone import RMSNorm
-from gpt2kimi.deltanet import DeltaNet, DeltaNetState, chunk_recurrence, ut_transform
-from gpt2kimi.linear_attention import compute_dtype, merge_chunks, operator_inputs, split_chunks
-
-# ----------------------------------------------------------------------------------------------
-# the operator
-
-
-def gated_delta_rule_recurrent(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    beta: Tensor,
-    g: Tensor,
-    scale: float | None = None,
-    initial_state: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Gated delta rule, token by token: decay, read the old value, write the error.
-
-    ``S ← α_t S_{t−1}``; ``v_old = Sᵀ k_t``; ``S_t = S + β_t k_t (v_t − v_old)ᵀ``;
-    ``o_t = S_tᵀ q_t`` (the same as ``S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ``),
-    with ``α_t = exp(g_t)``.
-    q, k: [B, T, H, K]; v: [B, T, H, V]; beta, g: [B, T, H]; initial_state: [B, H, K, V] or None.
-    Returns o: [B, T, H, V] in q's dtype and the final state: [B, H, K, V] (fp32 or fp64).
-    """
-    out_dtype = q.dtype
-    q, k, v, beta, g, S = operator_inputs(
-        q, k, v, beta=beta, g=g, scale=scale, initial_state=initial_state
-    )
-    outputs = []
-    for t in range(q.shape[1]):
-        q_t, k_t, v_t, beta_t = q[:, t], k[:, t], v[:, t], beta[:, t, :, None]
-        S = torch.exp(g[:, t])[:, :, None, None] * S  # forget: α_t S_{t−1}
-        v_old = torch.einsum("bhkv,bhk->bhv", S, k_t)  # read: v_old = (α_t S_{t−1})ᵀ k_t
-        error = beta_t * (v_t - v_old)  # β_t (v_t − v_old)
-        S = S + torch.einsum("bhk,bhv->bhkv", k_t, error)  # write: S_t = α_t S_{t−1} + k_t errorᵀ
-        outputs.append(torch.einsum("bhkv,bhk->bhv", S, q_t))  # o_t = S_tᵀ q_t
-    return torch.stack(outputs, dim=1).to(out_dtype), S
-
-
-def masked_exp(x: Tensor, keep: Tensor) -> Tensor:
-    """``exp(x)`` where ``keep`` (there x <= 0: a decay), exactly 0 elsewhere; x finite.
-
-    The mask is applied *before* exp: the dropped entries become 0, so exp never sees the large
-    positive exponents that would overflow to inf (and inf · 0 = nan); multiplying by ``keep``
-    again zeroes them. Exponents are floored at log(tiny) of the dtype (about −87 in fp32): a
-    decay below ~1e-38 is zero in effect, and CPUs compute exp of −inf or into the subnormal
-    range many times slower.
-    """
-    floor = math.log(torch.finfo(x.dtype).tiny)
-    return (x * keep).clamp_min(floor).exp() * keep
-
-
-def pairwise_decay(gamma: Tensor) -> Tensor:
-    """``Γ_ij = exp(γ_i − γ_j)`` for j <= i and 0 for j > i; gamma [..., C] -> [..., C, C].
-
-    The exponent is a difference of log-sums (<= 0 on and below the diagonal, so Γ <= 1) and the
-    upper triangle is masked before exp: it becomes exactly 0, never inf or nan.
-    """
-    C = gamma.shape[-1]
-    causal = torch.ones(C, C, dtype=torch.bool, device=gamma.device).tril()  # j <= i
-    return masked_exp(gamma[..., :, None] - gamma[..., None, :], causal)  # exp(γ_i − γ_j)
-
-
-def gated_delta_rule_chunk(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    beta: Tensor,
-    g: Tensor,
-    scale: float | None = None,
-    initial_state: Tensor | None = None,
-    chunk_size: int = 64,
-) -> tuple[Tensor, Tensor]:
-    """Gated delta rule, chunkwise parallel: DeltaNet's WY/UT form with the decays put in.
-
-    With γ the in-chunk cumulative sum of g and ``Γ_ij = exp(γ_i − γ_j)`` (i >= j):
-    ``A = StrictLower(diag(β)(K Kᵀ ⊙ Γ))``, ``T = (I + A)⁻¹``, ``W = T diag(β)(K ⊙ e^γ)``,
-    ``U = T diag(β) V``; per chunk ``U' = U − W S``, ``O = (Q ⊙ e^γ) S + (Q Kᵀ ⊙ Γ) U'``,
-    ``S ← e^{γ_C} S + (K ⊙ e^{γ_C − γ})ᵀ U'``. The only Python loop runs over chunks.
-    q, k: [B, T, H, K]; v: [B, T, H, V]; beta, g: [B, T, H]; any T (the last chunk is padded
-    with g = 0, beta = 0). Returns o: [B, T, H, V] in q's dtype and the final state [B, H, K, V].
-    """
-    out_dtype, T = q.dtype, q.shape[1]
-    q, k, v, beta, g, S = operator_inputs(
-        q, k, v, beta=beta, g=g, scale=scale, initial_state=initial_state, chunk_size=chunk_size
-    )
-    q, k, v, g = (split_chunks(x, chunk_size) for x in (q, k, v, g))  # [N, B, H, C, (D)]
-    beta = split_chunks(beta, chunk_size)[..., None]  # [N, B, H, C, 1]
-
-    # every decay is the exponential of a difference of log-sums (<= 0): factors in [0, 1]
-    gamma = g.cumsum(dim=-1)  # [N, B, H, C]
-    Gamma = pairwise_decay(gamma)  # 0 above the diagonal
-    decay_from_start = gamma.exp()[..., None]  # chunk start -> token i
-    decay_to_end = (gamma[..., -1:] - gamma).exp()[..., None]  # token i -> chunk end
-
-    k_beta = beta * k
-    A = (k_beta @ k.transpose(-1, -2) * Gamma).tril_(-1)
-    T_ut = ut_transform(A)
-    W = T_ut @ (k_beta * decay_from_start)
-    U = T_ut @ (beta * v)
-    scores = q @ k.transpose(-1, -2) * Gamma
-    q_decayed = q * decay_from_start  # token i reads the memory as decayed up to i
-    k_decayed = k * decay_to_end  # what token i writes decays on until the chunk ends
-    chunk_decay = gamma[..., -1].exp()[..., None, None]  # e^{γ_C}: the whole chunk
-    o, S = chunk_recurrence(q_decayed, k_decayed, W, U, scores, S, chunk_decay)
-    return merge_chunks(o, T).to(out_dtype), S
-
+from gpt2kimi.deltanet import DeltaNet, DeltaNetState
+from gpt2kimi.ops import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from gpt2kimi.ops.utils import compute_dtype
 
 # ----------------------------------------------------------------------------------------------
 # the Mamba2-style gate and the gated output norm (also used by Kimi Delta Attention)
@@ -213,9 +106,12 @@ class GatedDeltaNet(DeltaNet):
         beta = torch.sigmoid(self.b_proj(x))  # [B, T, H]
         g = log_decay(self.a_proj(x), self.A_log, self.dt_bias)  # [B, T, H], <= 0
         memory = None if state is None else state.memory
-        o, memory = gated_delta_rule_chunk(
-            q, k, v, beta, g, initial_state=memory, chunk_size=self.chunk_size
-        )
+        if T == 1:  # one decoded token: one step of the recurrence
+            o, memory = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=memory)
+        else:  # a prompt or a training sequence: the chunkwise-parallel form
+            o, memory = chunk_gated_delta_rule(
+                q, k, v, g, beta, initial_state=memory, chunk_size=self.chunk_size
+            )
         gate = self.g_proj(x).view(B, T, self.n_head, self.head_dim)
         y = self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))
         return (y, DeltaNetState(memory, conv)) if return_state else y

@@ -15,12 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PRESETS = {
-    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
-    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
-    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
-    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
-}
+from gpt2kimi.accounting import PRESETS
 
 
 @dataclass
@@ -51,16 +46,6 @@ class GPT2Config:
         if name not in PRESETS:
             raise ValueError(f"unknown GPT-2 size {name!r}; expected one of {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
-
-
-def gpt2_param_count(config: GPT2Config) -> int:
-    """GPT-2's parameters: ``vocab_size·d + block_size·d + L (12 d² + 13 d) + 2 d`` (head tied).
-
-    Per layer: attention ``4 d² + 4 d`` (q, k, v and output projections with biases), MLP
-    ``8 d² + 5 d`` (d → 4d → d with biases), two LayerNorms ``4 d``.
-    """
-    d, L = config.n_embd, config.n_layer
-    return config.vocab_size * d + config.block_size * d + L * (12 * d * d + 13 * d) + 2 * d
 
 
 def causal_attention_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -179,7 +164,14 @@ class GPT2(nn.Module):
         """Raise a clear error for ids of the wrong shape, out of range, or too long."""
         if idx.dim() != 2:
             raise ValueError(f"expected token ids of shape [B, T], got {tuple(idx.shape)}")
+        if idx.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"token ids must be integers, got {idx.dtype}")
         T = idx.size(1)
+        if T == 0:
+            raise ValueError(
+                f"a sequence needs at least one token: expected ids of shape [B, T] with T >= 1, "
+                f"got {tuple(idx.shape)}"
+            )
         if start + T > self.config.block_size:
             raise ValueError(
                 f"sequence of {start + T} tokens is longer than block_size="
@@ -307,19 +299,39 @@ def convert_hf_state_dict(
         converted[name] = tensor.t() if name.endswith(CONV1D_WEIGHTS) else tensor
     if "lm_head.weight" not in converted and "transformer.wte.weight" in converted:
         converted["lm_head.weight"] = converted["transformer.wte.weight"]
-    report = checkpoint_problems(expected, converted, unexpected)
+    # report in the checkpoint's names and layout: its prefix (if it has one), Conv1D as (in, out)
+    prefixed = not state_dict or any(k.startswith("transformer.") for k in state_dict)
+    names = {k: k if prefixed else k.removeprefix("transformer.") for k in expected}
+    wanted = {k: t for k, t in expected.items() if k != "lm_head.weight" or k in converted}
+    report = checkpoint_problems(  # (a missing head is tied: the missing wte is named)
+        conv1d_as_stored(wanted), conv1d_as_stored(converted), unexpected, names
+    )
     if report:
         raise CheckpointError("cannot load GPT-2 checkpoint; " + report)
     return converted
 
 
+def conv1d_as_stored(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` with the Conv1D weights transposed (views) to Hugging Face's (in, out)."""
+    return {k: t.t() if k.endswith(CONV1D_WEIGHTS) else t for k, t in state_dict.items()}
+
+
 def checkpoint_problems(
-    expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], unexpected: list[str]
+    expected: dict[str, torch.Tensor],
+    found: dict[str, torch.Tensor],
+    unexpected: list[str],
+    names: dict[str, str] | None = None,
 ) -> str:
-    """One message naming every missing key, unexpected key and shape mismatch ('' if none)."""
-    missing = sorted(set(expected) - set(found))
+    """One message naming every missing key, unexpected key and shape mismatch ('' if none).
+
+    ``expected`` and ``found`` are keyed by the model's names; ``names`` maps those back to the
+    checkpoint's, so that missing and mis-shaped keys are named as the checkpoint spells them
+    (``unexpected`` already is).
+    """
+    names = names or {}
+    missing = sorted(names.get(k, k) for k in set(expected) - set(found))
     mismatched = [
-        f"{k}: checkpoint {tuple(t.shape)} vs model {tuple(expected[k].shape)}"
+        f"{names.get(k, k)}: checkpoint {tuple(t.shape)} vs model {tuple(expected[k].shape)}"
         for k, t in found.items()
         if t.shape != expected[k].shape
     ]

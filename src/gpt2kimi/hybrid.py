@@ -483,7 +483,9 @@ def convert_hf_state_dict(
             unexpected.append(key if local is None or local == key else f"{key} (as {local})")
             continue
         converted[local] = tensor
-    report = checkpoint_problems(expected, converted, unexpected)
+    backwards = {local: hf for hf, local in HF_PREFIXES.items()}
+    names = {k: rename(k, backwards) or k for k in expected}  # problems named as in the checkpoint
+    report = checkpoint_problems(expected, converted, unexpected, names)
     if report:
         raise CheckpointError("cannot load Kimi Linear checkpoint; " + report)
     return converted

@@ -8,12 +8,15 @@ can be computed once and kept. With a cache, each step processes one position: l
 - :class:`LayerKVCache`: one layer's keys and values, pre-allocated as
   ``[B, n_kv_heads, max_len, head_dim]``, filled from the left; ``pos`` counts the cached tokens.
 - :class:`KVCache`: one :class:`LayerKVCache` per layer, with its size in bytes.
-- :class:`GPT2WithCache`: chapter 1's GPT-2, unchanged except that its attention is
-  :class:`gpt2kimi.attention.SoftmaxAttention` (optionally with fewer key/value heads) and its
-  forward accepts a cache. Same parameter names, so a trained ``GPT2`` converts losslessly.
 - :func:`generate`: greedy or sampled generation with or without the cache, for this chapter's
   GPT-2 and for every model of the later chapters (any model with ``new_cache`` whose forward
   takes ``cache=``: see the state contract in :mod:`gpt2kimi.backbone`).
+
+The model that uses them, :class:`gpt2kimi.attention.GPT2WithCache` (chapter 1's GPT-2 with
+:class:`~gpt2kimi.attention.SoftmaxAttention`, whose forward accepts a cache), lives with its
+attention: the attention layer builds on this module's caches, and this module imports no
+attention. A plain chapter-1 ``GPT2`` has no cache: convert it first with
+``GPT2WithCache.from_gpt2(model, copy=False)`` (the same weights, shared).
 
 The price: the cache grows by ``2 · layers · n_kv_heads · head_dim`` numbers with every token of
 every sequence (``gpt2kimi.accounting`` computes this for real models).
@@ -21,13 +24,10 @@ every sequence (``gpt2kimi.accounting`` computes this for real models).
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
+from torch import nn
 
-from gpt2kimi.attention import SoftmaxAttention
-from gpt2kimi.gpt2 import GPT2, GPT2Config, sample_next_token
+from gpt2kimi.gpt2 import sample_next_token
 
 
 class CacheOverflowError(ValueError):
@@ -120,15 +120,16 @@ class KVCache:
     @classmethod
     def for_model(
         cls,
-        model: GPT2WithCache,
+        model: nn.Module,
         batch_size: int,
         max_len: int | None = None,
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> KVCache:
-        """An empty cache for ``model``: ``max_len`` defaults to ``block_size``; dtype and device
-        default to those of the model's parameters."""
+        """An empty cache for ``model`` (a :class:`gpt2kimi.attention.GPT2WithCache`):
+        ``max_len`` defaults to ``block_size``; dtype and device default to those of the model's
+        parameters."""
         block_size = model.config.block_size
         max_len = block_size if max_len is None else max_len
         if max_len > block_size:
@@ -179,107 +180,6 @@ class KVCache:
             layer.reset()
 
 
-class GPT2WithCache(GPT2):
-    """Chapter 1's GPT-2 whose attention layers take a KV cache and may share key/value heads.
-
-    With ``n_kv_heads=None`` (or ``n_head``) the model has exactly the parameters, names and
-    outputs of ``GPT2(config)``, and the same initial weights for the same seed.
-    ``forward(idx, cache=cache)`` treats idx as the tokens that follow the ``cache.pos`` cached
-    ones: positions start at ``cache.pos``.
-    """
-
-    def __init__(self, config: GPT2Config, n_kv_heads: int | None = None) -> None:
-        super().__init__(config)
-        self.n_kv_heads = config.n_head if n_kv_heads is None else n_kv_heads
-        for block in self.transformer.h:
-            attn = SoftmaxAttention(
-                config.n_embd, config.n_head, self.n_kv_heads, dropout=config.dropout
-            )
-            if self.n_kv_heads == config.n_head:  # same shapes: keep chapter 1's initial weights
-                attn.load_state_dict(block.attn.state_dict())
-            else:  # fewer key/value heads: initialise as GPT-2 does
-                attn.apply(self._init_weights)
-                torch.nn.init.normal_(
-                    attn.c_proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer)
-                )
-            block.attn = attn
-
-    @classmethod
-    def from_gpt2(cls, model: GPT2, *, copy: bool = True) -> GPT2WithCache:
-        """``model`` (a trained GPT2) as a GPT2WithCache: the same weights, attention with a cache.
-
-        ``copy=True`` gives the new model its own copy of the weights (the original is left
-        untouched whatever happens to the copy); ``copy=False`` shares the very same tensors,
-        which costs nothing (:func:`generate` converts that way). Either way the model is built
-        on the meta device, so no time goes into initialising weights that are then replaced.
-        """
-        with torch.device("meta"):
-            new = cls(model.config, getattr(model, "n_kv_heads", None))
-        state = model.state_dict()
-        if copy:
-            state = {name: tensor.clone() for name, tensor in state.items()}
-        new.load_state_dict(state, assign=True)
-        new.lm_head.weight = new.transformer.wte.weight  # tie again: assign set two tensors
-        return new.train(model.training)
-
-    def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
-        """An empty :class:`KVCache` for this model (what :func:`generate` asks every model for)."""
-        return KVCache.for_model(self, batch_size, max_len)
-
-    def check_input(self, idx: torch.Tensor, cache: KVCache | None = None) -> None:
-        """Chapter 1's checks of ``idx`` (shape, ids in range, length); with a cache, also that
-        the cache fits the model and the batch, and the length counts the cached tokens.
-
-        Ids that continue a cache are not range-checked: the check waits for the device (a sync
-        at every decoding step), the prompt had it, and generated ids lie in range by
-        construction.
-        """
-        if cache is None or cache.pos == 0:
-            super().check_input(idx)
-        elif cache.pos + idx.size(1) > self.config.block_size:
-            raise ValueError(
-                f"sequence of {cache.pos + idx.size(1)} tokens is longer than block_size="
-                f"{self.config.block_size}, the number of learned positions"
-            )
-        if cache is not None:
-            if len(cache.layers) != len(self.transformer.h):
-                raise ValueError(
-                    f"cache has {len(cache.layers)} layers, model has {len(self.transformer.h)}"
-                )
-            if cache.layers[0].k.size(0) != idx.size(0):
-                raise ValueError(
-                    f"cache was allocated for batch size {cache.layers[0].k.size(0)}, "
-                    f"got {idx.size(0)} sequences"
-                )
-
-    def forward(
-        self,
-        idx: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        *,
-        cache: KVCache | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """idx [B, T] → logits [B, T, vocab_size] (and the loss with targets), as ``GPT2``.
-
-        With a cache, the T tokens are appended to it and sit at positions
-        ``cache.pos … cache.pos + T - 1``.
-        """
-        self.check_input(idx, cache)
-        start = 0 if cache is None else cache.pos
-        pos = torch.arange(start, start + idx.size(1), device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for i, block in enumerate(self.transformer.h):
-            layer_cache = None if cache is None else cache.layers[i]
-            # chapter 1's Block.forward, with the layer's cache (filled in place) for the attention
-            x = x + block.attn(block.ln_1(x), layer_cache)
-            x = x + block.mlp(block.ln_2(x))
-        logits = self.lm_head(self.transformer.ln_f(x))
-        if targets is None:
-            return logits
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
-        return logits, loss
-
-
 def check_generate_args(model: torch.nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int):
     """Raise a clear error before :func:`generate` starts: prompts must be ``[B, T]`` with
     T >= 1, ``max_new_tokens`` >= 0, and the whole sequence must fit the model's learned
@@ -323,8 +223,8 @@ def generate(
       chapter 1 does.
     - ``use_cache=True``: ``model.new_cache`` holds every layer's memory (a pre-allocated
       :class:`KVCache` here; later chapters' recurrent states, or a mix), the prompt fills it in
-      one pass, then each step runs one token. A plain ``GPT2`` is used as a
-      :class:`GPT2WithCache` sharing its weights.
+      one pass, then each step runs one token. A model without ``new_cache`` (chapter 1's plain
+      ``GPT2``) is refused: convert it with ``GPT2WithCache.from_gpt2(model, copy=False)``.
     """
     check_generate_args(model, prompt_ids, max_new_tokens)
     B, T = prompt_ids.shape
@@ -338,8 +238,12 @@ def generate(
             logits = model(ids[:, :t])[:, -1, :]  # the whole prefix, again
             ids[:, t : t + 1] = sample_next_token(logits, temperature, top_k, generator)
         return ids
-    if type(model) is GPT2:  # chapter 1's model: the same weights, attention with a cache
-        model = GPT2WithCache.from_gpt2(model, copy=False)
+    if not hasattr(model, "new_cache"):  # chapter 1's GPT2: its attention takes no cache
+        raise TypeError(
+            f"{type(model).__name__} has no new_cache, so it cannot decode with a cache: use "
+            "gpt2kimi.attention.GPT2WithCache.from_gpt2(model, copy=False) (the same weights, "
+            "attention with a cache), or use_cache=False"
+        )
     cache = model.new_cache(B, total)
     logits = model(prompt_ids, cache=cache)[:, -1, :]  # prefill: the prompt in one pass
     for t in range(T, total):

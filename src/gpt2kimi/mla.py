@@ -23,6 +23,10 @@ the positional part is a separate, small key that is cached already rotated.
 Parameter names and shapes are those of ``transformers``' ``DeepseekV3Attention`` and
 ``KimiLinearAttention`` (``rope=False``: Kimi Linear applies no rotary embedding, the rope-sized
 parts of q and of the shared key enter the scores unrotated), so their ``state_dict`` loads as is.
+
+:func:`cost` counts, from the shapes alone, what one decode step reads from the cache and the
+attention's FLOPs for each decode path the chapter compares (:data:`METHODS`: MHA, GQA, MQA and
+MLA naive, re-expanded, absorbed); :mod:`gpt2kimi.experiments.mla_decode` times those paths.
 """
 
 from __future__ import annotations
@@ -563,3 +567,41 @@ def mla_param_count(config: MLAConfig) -> int:
     kv_a = c.d_model * c.cache_dim + c.kv_lora_rank
     kv_b = c.kv_lora_rank * c.n_head * (c.qk_nope_head_dim + c.v_head_dim)
     return q + kv_a + kv_b + c.n_head * c.v_head_dim * c.d_model
+
+
+# ----------------------------------------------------------------------------------------------
+# the decode paths compared side by side (chapter 6's benchmark): bytes read and FLOPs, from shapes
+
+SOFTMAX_METHODS = ("MHA", "GQA", "MQA")
+MLA_METHODS = ("MLA naive", "MLA re-expanded", "MLA absorbed")
+METHODS = (*SOFTMAX_METHODS, *MLA_METHODS)
+
+
+def kv_heads(method: str, n_head: int) -> int:
+    """Key/value heads of the softmax layers: all (MHA), a quarter (GQA, as Llama 3), one (MQA)."""
+    return {"MHA": n_head, "GQA": max(1, n_head // 4), "MQA": 1}[method]
+
+
+def cost(method: str, context: int, config: MLAConfig, element: int = 4) -> tuple[int, int]:
+    """(cache bytes read, attention FLOPs) of one decode step over ``context`` cached tokens.
+
+    Softmax attention: every query head reads a key and a value of ``head_dim`` per token
+    (``4 · H · S · D`` FLOPs whatever the number of key/value heads, which only changes bytes).
+    MLA naive: per-head keys ``[nope; rope]`` and values. Re-expanded: the latent, plus expanding
+    it (``2 · S · r · H · (nope + v)``) before the naive attention. Absorbed: every head scores
+    ``r + rope`` numbers per token and sums ``r``: more FLOPs per token, far fewer bytes.
+    """
+    c = config
+    S, H, D = context, c.n_head, c.d_model // c.n_head
+    if method in SOFTMAX_METHODS:
+        return 2 * kv_heads(method, H) * D * S * element, 4 * H * S * D
+    naive_flops = 2 * H * S * c.qk_head_dim + 2 * H * S * c.v_head_dim
+    if method == "MLA naive":
+        return H * (c.qk_head_dim + c.v_head_dim) * S * element, naive_flops
+    latent_bytes = c.cache_dim * S * element
+    if method == "MLA re-expanded":
+        expand = 2 * S * c.kv_lora_rank * H * (c.qk_nope_head_dim + c.v_head_dim)
+        return latent_bytes, expand + naive_flops
+    if method == "MLA absorbed":
+        return latent_bytes, 2 * H * S * c.cache_dim + 2 * H * S * c.kv_lora_rank
+    raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")

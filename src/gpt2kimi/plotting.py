@@ -13,13 +13,10 @@ therefore share those 8 inches, or go one per row.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import matplotlib as mpl
 import matplotlib.pyplot as plt
-
-if TYPE_CHECKING:
-    from gpt2kimi.train import History
 
 # The widest figure (inches, at 100 dpi) that the book's column shows at full size.
 COLUMN_WIDTH = 8.0
@@ -87,9 +84,14 @@ def mean_and_range(groups: Sequence[Sequence[float]]) -> tuple[list[float], list
 
 
 def plot_history(
-    history: History, ax: plt.Axes | None = None, label: str = "", color: str | None = None
+    history: Any, ax: plt.Axes | None = None, label: str = "", color: str | None = None
 ) -> plt.Axes:
-    """Training loss (moving average over 20 steps) and validation loss against the step."""
+    """Training loss (moving average over 20 steps) and validation loss against the step.
+
+    ``history`` is a :class:`gpt2kimi.train.History` (read by its fields: ``steps``,
+    ``train_loss``, ``val_steps``, ``val_loss``; the training loop imports this module, not the
+    other way round).
+    """
     if ax is None:
         ax = new_axes("Training curve", "step", "loss (nats per token)")
     window = 20

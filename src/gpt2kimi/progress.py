@@ -7,7 +7,8 @@ output by output (nbval), so inside a Jupyter kernel the bars are off unless ask
 - ``GPT2KIMI_PROGRESS=1`` turns them on everywhere (``make lab`` sets it for the notebooks a
   reader runs in JupyterLab, where ipywidgets draws them);
 - ``GPT2KIMI_PROGRESS=0`` turns them off everywhere (``make test`` sets it for nbval);
-- otherwise they are on in a terminal (``python -m gpt2kimi.bench ...``) and off in a kernel.
+- otherwise they are on in a terminal (``python -m gpt2kimi.experiments ...``) and off in a
+  kernel.
 """
 
 from __future__ import annotations

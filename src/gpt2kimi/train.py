@@ -1,21 +1,62 @@
-"""The one small training loop that every chapter uses.
+"""The one small training loop that every chapter uses (a support module).
 
 AdamW, linear warmup then cosine decay, gradient clipping, periodic validation, and a history that
 plots. A model is anything whose ``model(x, y)`` returns ``(logits, loss)``; a batch source is a
 function ``batches(split)`` with ``split`` in ``{"train", "val"}`` that returns ``(x, y)``.
+
+Also what every task's batches and scores share: :func:`seeded_splits` (a batch source whose
+splits are reproducible streams of their own) and :func:`evaluating` (eval mode for a block).
+The language-model data (:mod:`gpt2kimi.data`), the backbone and the tasks of
+:mod:`gpt2kimi.experiments` use them. Imports no chapter.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from gpt2kimi.experiment import Batches, evaluating
 from gpt2kimi.progress import progress, say
+
+Batches = Callable[[str], tuple[Tensor, Tensor]]  # batches(split) -> (x, y)
+Draw = Callable[[torch.Generator], tuple[Tensor, Tensor]]  # one batch from a generator
+
+
+def seeded_splits(draw: Draw | Mapping[str, Draw], seed: int = 0) -> Batches:
+    """``batches(split)`` for "train" and "val" (any other split: ValueError) that calls the
+    split's ``draw(generator)`` with the split's own generator, seeded ``2 * seed`` for "train"
+    and ``2 * seed + 1`` for "val": each split is a reproducible stream, and no two seeds share
+    one. ``draw`` is one function for both splits, or one per split (a dict).
+    """
+    draws = draw if isinstance(draw, Mapping) else {"train": draw, "val": draw}
+    generators = {
+        "train": torch.Generator().manual_seed(2 * seed),
+        "val": torch.Generator().manual_seed(2 * seed + 1),
+    }
+
+    def batches(split: str) -> tuple[Tensor, Tensor]:
+        if split not in generators:
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        return draws[split](generators[split])
+
+    return batches
+
+
+@contextmanager
+def evaluating(model: nn.Module) -> Iterator[nn.Module]:
+    """``with evaluating(model):`` runs the block in eval mode (no dropout), then restores the
+    mode the model had."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 @dataclass

@@ -2,219 +2,24 @@
 
 ``python -m gpt2kimi.bench mla [--contexts 1024 … 32768] [--repeats 3] [--threads 1]``
 
-Every layer has the same width (``d_model`` 512, 8 query heads of 64). The softmax layers are
-chapter 2's :class:`~gpt2kimi.attention.SoftmaxAttention` with 8, 2 and 1 key/value heads; the
-MLA layer has DeepSeek-V3's proportions (a latent of 4 head widths, a shared rope key of half a
-head) and decodes three ways: *naive* (a per-head key/value cache), *re-expanded* (the latent
-cache, expanded into per-head keys and values at every step) and *absorbed* (the latent cache
-read directly). The softmax layers read their shared heads in place (:func:`softmax_decode`).
-The cache is filled with random numbers up to the context length (speed does not depend on the
-values); each timed call appends one token, and the cache is then cut back, so every call sees
-the same context. Methods run side by side in one run, context by context.
-
-Next to the time, the table gives what each step must read from the cache and the attention's
-floating-point operations (counted from the shapes, not measured): the bandwidth / compute trade
-of the absorbed path.
+Measured by :func:`gpt2kimi.experiments.mla_decode.measure` (the methods side by side, context
+by context); the table gives milliseconds per step, the cache bytes each step reads and the
+attention's FLOPs per byte (:func:`gpt2kimi.mla.cost`, counted from the shapes).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from gpt2kimi.attention import SoftmaxAttention
-from gpt2kimi.bench.timing import time_fn
-from gpt2kimi.kv_cache import LayerKVCache
-from gpt2kimi.mla import LatentCache, MLAConfig, MultiHeadLatentAttention
-
-D_MODEL, N_HEAD = 512, 8
-SOFTMAX_METHODS = ("MHA", "GQA", "MQA")
-MLA_METHODS = ("MLA naive", "MLA re-expanded", "MLA absorbed")
-METHODS = (*SOFTMAX_METHODS, *MLA_METHODS)
-DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
-
-
-def bench_mla_config(d_model: int = D_MODEL, n_head: int = N_HEAD) -> MLAConfig:
-    """DeepSeek-V3's proportions at this width: latent 4 head widths, rope key half a head."""
-    head_dim = d_model // n_head
-    return MLAConfig(
-        d_model=d_model,
-        n_head=n_head,
-        kv_lora_rank=4 * head_dim,
-        qk_nope_head_dim=head_dim,
-        qk_rope_head_dim=head_dim // 2,
-        v_head_dim=head_dim,
-        rope=True,
-    )
-
-
-def kv_heads(method: str, n_head: int) -> int:
-    """Key/value heads of the softmax layers: all (MHA), a quarter (GQA, as Llama 3), one (MQA)."""
-    return {"MHA": n_head, "GQA": max(1, n_head // 4), "MQA": 1}[method]
-
-
-@dataclass(frozen=True)
-class Row:
-    """One method at one context length: seconds per decode step, cache bytes read, FLOPs."""
-
-    method: str
-    context: int
-    seconds: float
-    cache_bytes: int  # bytes of cache one step reads (the whole context, this layer)
-    flops: int  # multiply-adds × 2 of the attention over the cache (projections of x excluded)
-
-    @property
-    def ms(self) -> float:
-        return 1e3 * self.seconds
-
-    @property
-    def flops_per_byte(self) -> float:
-        return self.flops / self.cache_bytes
-
-
-def cost(method: str, context: int, config: MLAConfig, element: int = 4) -> tuple[int, int]:
-    """(cache bytes read, attention FLOPs) of one decode step over ``context`` cached tokens.
-
-    Softmax attention: every query head reads a key and a value of ``head_dim`` per token
-    (``4 · H · S · D`` FLOPs whatever the number of key/value heads, which only changes bytes).
-    MLA naive: per-head keys ``[nope; rope]`` and values. Re-expanded: the latent, plus expanding
-    it (``2 · S · r · H · (nope + v)``) before the naive attention. Absorbed: every head scores
-    ``r + rope`` numbers per token and sums ``r``: more FLOPs per token, far fewer bytes.
-    """
-    c = config
-    S, H, D = context, c.n_head, c.d_model // c.n_head
-    if method in SOFTMAX_METHODS:
-        return 2 * kv_heads(method, H) * D * S * element, 4 * H * S * D
-    naive_flops = 2 * H * S * c.qk_head_dim + 2 * H * S * c.v_head_dim
-    if method == "MLA naive":
-        return H * (c.qk_head_dim + c.v_head_dim) * S * element, naive_flops
-    latent_bytes = c.cache_dim * S * element
-    if method == "MLA re-expanded":
-        expand = 2 * S * c.kv_lora_rank * H * (c.qk_nope_head_dim + c.v_head_dim)
-        return latent_bytes, expand + naive_flops
-    if method == "MLA absorbed":
-        return latent_bytes, 2 * H * S * c.cache_dim + 2 * H * S * c.kv_lora_rank
-    raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
-
-
-def softmax_decode(layer: SoftmaxAttention, x: torch.Tensor, cache: LayerKVCache) -> torch.Tensor:
-    """One new token x ``[B, 1, d]`` through chapter 2's layer, reading shared key/value heads
-    in place.
-
-    The layer's own forward repeats each shared head for its group (a copy of the whole cache at
-    every step, which hides GQA's and MQA's smaller reads); here attention maps query head h to
-    key/value head ``h // group`` without a copy (``enable_gqa``). Same output (tested).
-    """
-    B, T, C = x.shape
-    q, k, v = layer.split_heads(x)
-    k, v = cache.update(k, v)
-    y = F.scaled_dot_product_attention(q, k, v, enable_gqa=layer.group_size > 1)
-    return layer.c_proj(y.transpose(1, 2).reshape(B, T, C))
-
-
-def decode_step(
-    method: str, context: int, config: MLAConfig, seed: int = 0
-) -> Callable[[], torch.Tensor]:
-    """A function that decodes one token of ``method`` after ``context`` cached random tokens.
-
-    Each call appends a token to the cache and then cuts the cache back to ``context``.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, 1, config.d_model, generator=gen)
-    torch.manual_seed(seed)
-    if method in SOFTMAX_METHODS:
-        n_kv = kv_heads(method, config.n_head)
-        layer = SoftmaxAttention(config.d_model, config.n_head, n_kv, bias=False)
-        kv = LayerKVCache(1, n_kv, context + 1, config.d_model // config.n_head)
-        kv.k.normal_(generator=gen)
-        kv.v.normal_(generator=gen)
-
-        def step() -> torch.Tensor:
-            kv.pos = context
-            return softmax_decode(layer, x, kv)
-
-        return torch.no_grad()(step)
-    mla = MultiHeadLatentAttention(config).eval()
-    if method == "MLA naive":
-        expanded = mla.expanded_cache(1, context + 1)
-        expanded.k.normal_(generator=gen)
-        expanded.v.normal_(generator=gen)
-
-        def step() -> torch.Tensor:
-            expanded.pos = context
-            return mla.forward_expanded_cache(x, expanded)
-
-        return torch.no_grad()(step)
-    latent = LatentCache.for_attention(mla, 1, context + 1)
-    latent.update(
-        torch.randn(1, context, config.kv_lora_rank, generator=gen),
-        torch.randn(1, context, config.qk_rope_head_dim, generator=gen),
-    )
-    absorb = method == "MLA absorbed"
-
-    def step() -> torch.Tensor:
-        latent.crop(context)
-        return mla(x, latent, absorb=absorb)
-
-    return torch.no_grad()(step)
-
-
-def measure(
-    contexts: tuple[int, ...] = DEFAULT_CONTEXTS,
-    methods: tuple[str, ...] = METHODS,
-    repeats: int = 3,
-    config: MLAConfig | None = None,
-) -> list[Row]:
-    """Median seconds per decode step of every method at every context (one run, side by side)."""
-    config = bench_mla_config() if config is None else config
-    rows = []
-    for context in contexts:
-        for method in methods:
-            step = decode_step(method, context, config)
-            seconds = time_fn(step, repeats=repeats, warmup=1)
-            rows.append(Row(method, context, seconds, *cost(method, context, config)))
-            del step  # free this cache before the next one is filled
-    return rows
-
-
-def context_label(context: int) -> str:
-    """``1024 → "1K"``, ``1536 → "1536"``."""
-    return f"{context // 1024}K" if context % 1024 == 0 else str(context)
-
-
-def grid(rows: list[Row], value: Callable[[Row], str], title: str) -> str:
-    """One line per method, one column per context length."""
-    methods = list(dict.fromkeys(r.method for r in rows))
-    contexts = list(dict.fromkeys(r.context for r in rows))
-    cell = {(r.method, r.context): r for r in rows}
-    lines = [title, f"{'context':<16}" + "".join(f"{context_label(S):>9}" for S in contexts)]
-    for m in methods:
-        lines.append(f"{m:<16}" + "".join(f"{value(cell[m, S]):>9}" for S in contexts))
-    return "\n".join(lines)
-
-
-def format_table(rows: list[Row]) -> str:
-    """Milliseconds per token, cache MiB read per step, and attention FLOPs per cache byte; the
-    re-expanded / absorbed time ratio when both were measured."""
-    parts = [
-        grid(rows, lambda r: f"{r.ms:.2f}", "ms per decode step (one layer, batch 1)"),
-        grid(rows, lambda r: f"{r.cache_bytes / 2**20:.1f}", "cache MiB read per step (fp32)"),
-        grid(rows, lambda r: f"{r.flops_per_byte:.1f}", "attention FLOPs per cache byte"),
-    ]
-    by = {(r.method, r.context): r for r in rows}
-    contexts = list(dict.fromkeys(r.context for r in rows))
-    if all(("MLA re-expanded", S) in by and ("MLA absorbed", S) in by for S in contexts):
-        ratios = [by["MLA re-expanded", S].ms / by["MLA absorbed", S].ms for S in contexts]
-        speedups = "".join(f"{f'{x:.1f}x':>9}" for x in ratios)
-        parts.append(
-            f"{'absorbed speed-up':<16}{speedups}\n"
-            "(time of the re-expanded path / time of the absorbed path)"
-        )
-    return "\n\n".join(parts)
+from gpt2kimi.experiments.mla_decode import (
+    DEFAULT_CONTEXTS,
+    bench_mla_config,
+    format_table,
+    measure,
+)
+from gpt2kimi.mla import METHODS, kv_heads
 
 
 def main(argv: list[str] | None = None) -> None:

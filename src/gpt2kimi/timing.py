@@ -1,7 +1,14 @@
-"""Timing helpers shared by the benchmarks."""
+"""Timing helpers (a support module): the clock the benchmarks read, and how cost grows.
+
+:func:`time_fn` (median of repeats), :func:`timed` and :func:`fastest_interleaved` (runs
+measured side by side, in turns) serve :mod:`gpt2kimi.experiments`' speed measurements and the
+command lines of :mod:`gpt2kimi.bench`; :func:`loglog_slope` reads a cost's growth off a sweep
+(1: linear, 2: quadratic). Imports nothing of the package.
+"""
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -44,3 +51,12 @@ def fastest_interleaved(runs: dict[str, Callable[[], float]], rounds: int) -> di
         for name, run in runs.items():
             best[name] = min(best[name], run())
     return best
+
+
+def loglog_slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of log y against log x: 1 for linear cost, 2 for quadratic."""
+    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly, strict=True)) / sum(
+        (a - mx) ** 2 for a in lx
+    )

@@ -1,45 +1,36 @@
-"""``python -m gpt2kimi.bench moe-train``: dense FFN vs MoE on the byte corpus, and balancing.
+"""Chapter 7's training runs: dense FFN vs MoE on the byte corpus, and balancing.
 
 Trains the same small language model (softmax attention, NoPE, the built-in byte corpus) with
-four feed-forward variants at equal **active** parameters, and writes a results file that
-chapter 7 plots::
+four feed-forward variants at equal **active** parameters::
 
     dense     a SwiGLU of hidden width (top_k + shared) · expert_hidden
     moe       an MoE, no balancing
-    moe_aux   the same with Switch Transformer's auxiliary loss (weight --aux-alpha)
-    moe_bias  the same with DeepSeek-V3's auxiliary-loss-free bias update (step --bias-gamma)
+    moe_aux   the same with Switch Transformer's auxiliary loss (weight aux_alpha)
+    moe_bias  the same with DeepSeek-V3's auxiliary-loss-free bias update (step bias_gamma)
 
-For each run the file holds the validation losses, the load of every MoE layer over training
+For each run the record holds the validation losses, the load of every MoE layer over training
 (max / mean tokens per expert, per step) and, after training, which experts each kind of byte
-is sent to. Runs are single-threaded, ``--jobs`` of them at once::
-
-    python -m gpt2kimi.bench moe-train                                   # book/data/moe_train.json
-    python -m gpt2kimi.bench moe-train --steps 150 --variants dense moe_bias \
-        --out book/data/moe_train_live.json
+is sent to. ``python -m gpt2kimi.experiments moe-train`` runs :func:`moe_train_sweep` and writes
+the results file that chapter 7 plots (``book/data/moe_train.json``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import time
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
+from dataclasses import asdict, dataclass
 
 import torch
 
 from gpt2kimi.attention import SoftmaxAttention
 from gpt2kimi.backbone import BackboneConfig, LanguageModel, count_parameters
-from gpt2kimi.bench.machine import machine_info
 from gpt2kimi.data import lm_batches, load_corpus
+from gpt2kimi.experiments.sweep import map_jobs
 from gpt2kimi.moe import AuxLossWrapper, MoE, MoEConfig, dense_equivalent, moe_layers
-from gpt2kimi.mqar import map_jobs
-from gpt2kimi.progress import say
 from gpt2kimi.train import TrainConfig, train
 
 VARIANTS = ("dense", "moe", "moe_aux", "moe_bias")
-DEFAULT_OUT = "book/data/moe_train.json"
 
 # Byte classes for the "what each expert learned" heatmap: (name, test on the byte value).
 BYTE_CLASSES = (
@@ -224,36 +215,3 @@ def dumps(sweep: dict) -> str:
     """JSON with one key per line but every list of numbers on one line (a compact file)."""
     text = json.dumps(sweep, indent=1)
     return re.sub(r"\[[\d\s.,eE+-]*\]", lambda m: re.sub(r"\s+", "", m.group(0)), text)
-
-
-def main(argv: list[str]) -> None:
-    defaults = MoETrainSettings()
-    p = argparse.ArgumentParser(prog="python -m gpt2kimi.bench moe-train", description=__doc__)
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    p.add_argument("--steps", type=int, default=defaults.steps)
-    p.add_argument("--aux-alpha", type=float, default=defaults.aux_alpha)
-    p.add_argument("--bias-gamma", type=float, default=defaults.bias_gamma)
-    p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--jobs", type=int, default=2, help="parallel single-threaded runs")
-    p.add_argument("--out", default=DEFAULT_OUT, help="JSON results file ('-': do not write)")
-    args = p.parse_args(argv)
-    settings = replace(
-        defaults,
-        steps=args.steps,
-        aux_alpha=args.aux_alpha,
-        bias_gamma=args.bias_gamma,
-        seed=args.seed,
-    )
-    sweep = moe_train_sweep(
-        args.variants,
-        settings,
-        args.jobs,
-        log=lambda r: say(f"{r['variant']:<10} val {r['final_val_loss']:.4f} ({r['seconds']} s)"),
-    )
-    sweep["settings"]["machine"] = machine_info(args.jobs)
-    print(format_table(sweep))
-    if args.out != "-":
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(dumps(sweep) + "\n")
-        print(f"wrote {out}")

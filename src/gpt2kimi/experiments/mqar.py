@@ -20,20 +20,32 @@ Layout used here (a re-implementation of the task, not Zoology's code):
 - every other position holds a random filler token (or 0 when ``random_fillers=False``).
 
 Everything is vectorised over the batch: no Python loop over sequences or pairs.
+
+Then the runs by mixer name: :func:`run_mqar` trains one model of the registry
+(:mod:`gpt2kimi.experiments.registry`) on the task, :func:`mqar_sweep` every mixer × number of
+pairs × seed (the results files of chapters 3-6), :func:`format_table` prints a sweep.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
 
-from gpt2kimi.experiment import evaluating, seeded_splits
-from gpt2kimi.progress import progress, silence_progress_in_this_process
-from gpt2kimi.train import History, TrainConfig, train
+from gpt2kimi.backbone import BackboneConfig
+from gpt2kimi.experiments.registry import (
+    BACKBONE_FIELDS,
+    MQAR_SEQ_LEN,
+    MQAR_VOCAB,
+    RECORDED_BACKBONE,
+    build_model,
+    mqar_model_config,
+)
+from gpt2kimi.experiments.sweep import map_jobs, mean_over_seeds, rounded, training_settings
+from gpt2kimi.train import History, TrainConfig, evaluating, seeded_splits, train
 
 IGNORE = -100
 
@@ -229,45 +241,100 @@ def train_mqar(
     return MQARResult(accuracy, history, time.perf_counter() - start)
 
 
-def map_jobs(
-    run: Callable[..., dict],
-    job_list: Sequence,
+# ----------------------------------------------------------------------------------------------
+# the runs, by mixer name
+
+
+def mqar_setup(**kwargs) -> tuple[dict, BackboneConfig, dict]:
+    """Sort :func:`run_mqar`'s keyword arguments: the task's (``vocab_size``, ``seq_len``), the
+    backbone (:func:`mqar_model_config` with the :class:`BackboneConfig` fields given) and the
+    rest, which go to the mixer."""
+    task = {"vocab_size": kwargs.pop("vocab_size", MQAR_VOCAB)}
+    task["seq_len"] = kwargs.pop("seq_len", MQAR_SEQ_LEN)
+    backbone = {k: kwargs.pop(k) for k in list(kwargs) if k in BACKBONE_FIELDS}
+    return task, mqar_model_config(task["vocab_size"], **backbone), kwargs
+
+
+def run_mqar(
+    mixer: str,
+    num_pairs: int,
+    *,
+    training: MQARTraining | None = None,
+    seed: int = 0,
+    **kwargs,
+) -> dict:
+    """Train the named mixer's model on MQAR with ``num_pairs`` pairs; return a result record.
+
+    ``kwargs``: the task's ``vocab_size`` and ``seq_len``, the backbone's fields (``d_model``,
+    ``n_layer``, ``n_head``, ``short_conv``, ...) and the mixer's keyword arguments
+    (:func:`mqar_setup`); every default is the chapter-3 setting. The record holds ``mixer``,
+    ``num_pairs``, ``seed``, ``accuracy`` (fraction of queried values recalled on the shared
+    test set), ``seconds`` and ``final_loss``. The model's initialisation and the training data
+    both follow ``seed``; everything else is held equal across mixers.
+    """
+    training = MQARTraining(seed=seed) if training is None else replace(training, seed=seed)
+    task, config, mixer_kwargs = mqar_setup(**kwargs)
+    task = MQARConfig(num_pairs=num_pairs, **task)
+    torch.manual_seed(seed)
+    model = build_model(mixer, config, **mixer_kwargs)
+    result = train_mqar(model, task, training)
+    return rounded({"mixer": mixer, "num_pairs": num_pairs, "seed": seed, **result.as_dict()})
+
+
+def _run_mqar_job(job: tuple[str, int, int, dict]) -> dict:
+    """One sweep run (a module-level function, so that worker processes can run it)."""
+    mixer, num_pairs, seed, kwargs = job
+    return run_mqar(mixer, num_pairs, seed=seed, **kwargs)
+
+
+def mqar_sweep(
+    mixers: Iterable[str],
+    pairs: Iterable[int],
+    seeds: Iterable[int] = (0,),
+    *,
+    training: MQARTraining | None = None,
     jobs: int = 1,
     log: Callable[[dict], None] | None = None,
-) -> list[dict]:
-    """``[run(job) for job in job_list]``, in order; ``log`` sees each record as it finishes.
+    **kwargs,
+) -> dict:
+    """Run :func:`run_mqar` for every mixer × number of pairs × seed.
 
-    With ``jobs > 1``, runs that many worker processes at once, each on one thread so that
-    parallel runs do not fight over the cores (``run`` and the jobs must then be picklable).
-    The sweeps of MQAR and of the rewritten-facts task share it.
+    ``training`` gives the shared settings (its ``seed`` is replaced by each run's seed);
+    ``kwargs`` (``vocab_size``, ``seq_len``, ``d_model``, ...) go to every run; ``jobs > 1``
+    runs that many single-threaded worker processes at once; ``log`` (e.g. ``print``) sees each
+    record as it finishes. Returns ``{"settings": {...}, "results": [record, ...]}``, JSON-ready,
+    with the results in mixer, pairs, seed order.
     """
-    records: list[dict] = []
-    bar = progress(total=len(job_list), desc="runs", unit="run")
-    if jobs <= 1:
-        for job in job_list:
-            records.append(run(job))
-            bar.update()
-            if log is not None:
-                log(records[-1])
-        bar.close()
-        return records
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(
-        max_workers=jobs, mp_context=context, initializer=_one_quiet_thread
-    ) as pool:
-        for record in pool.map(run, job_list):
-            records.append(record)
-            bar.update()
-            if log is not None:
-                log(record)
-    bar.close()
-    return records
+    mixers, pairs, seeds = list(mixers), list(pairs), list(seeds)
+    training = MQARTraining() if training is None else training
+    grid = [(m, n, s) for m in mixers for n in pairs for s in seeds]
+    job_list = [(m, n, s, {**kwargs, "training": replace(training, seed=s)}) for m, n, s in grid]
+    start = time.perf_counter()
+    results = map_jobs(_run_mqar_job, job_list, jobs, log)
+    task, config, _ = mqar_setup(**kwargs)
+    settings = {
+        **task,
+        "power_a": MQARConfig.power_a,
+        **{name: getattr(config, name) for name in RECORDED_BACKBONE},
+        **training_settings(training),
+        "mixers": mixers,
+        "pairs": pairs,
+        "seeds": seeds,
+        "jobs": jobs,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    return {"settings": settings, "results": results}
 
 
-def _one_quiet_thread() -> None:
-    """A sweep worker: one thread (parallel runs must not fight over cores), no progress bars."""
-    torch.set_num_threads(1)
-    silence_progress_in_this_process()
+def format_table(sweep: dict) -> str:
+    """Mean accuracy over seeds: one row per mixer, one column per number of pairs."""
+    settings, results = sweep["settings"], sweep["results"]
+    width = max(16, *(len(m) + 2 for m in settings["mixers"]))
+    header = f"{'mixer':<{width}}" + "".join(f"{f'N={n}':>8}" for n in settings["pairs"])
+    rows = [header]
+    for mixer in settings["mixers"]:
+        cells = "".join(
+            f"{mean_over_seeds(results, mixer=mixer, num_pairs=n):>8.3f}" for n in settings["pairs"]
+        )
+        rows.append(f"{mixer:<{width}}{cells}")
+    return "\n".join(rows)

@@ -1,6 +1,8 @@
-"""Rewritten facts: associative recall where a key's value changes over time (a support module).
+"""Two recall tasks beyond MQAR, their training and their sweeps: rewritten facts and
+sliding-window recall.
 
-MQAR (:mod:`gpt2kimi.mqar`) writes every fact once. Here a stream of two-token events
+**Rewritten facts**: associative recall where a key's value changes over time. MQAR
+(:mod:`gpt2kimi.experiments.mqar`) writes every fact once. Here a stream of two-token events
 ``key value`` keeps **rewriting** facts: a key that was already written comes back either as a
 *rewrite* (a new value: the old one is now stale) or as a *query* (its current value, and the
 model is scored on predicting that value at the key position). To answer, a memory must return
@@ -20,8 +22,12 @@ probability ``query_prob``, a rewrite (a value different from the current one) o
 last position holds a random filler with an ignored target. Generation is vectorised over the
 batch; the only loop runs over the ``seq_len // 2`` events.
 
-:func:`rewrite_sweep` trains several models on the task, like :func:`gpt2kimi.zoo.mqar_sweep`
-does on MQAR; it takes model constructors (this support module imports no chapter).
+:func:`rewrite_sweep` trains several models on the task, like
+:func:`gpt2kimi.experiments.mqar.mqar_sweep` does on MQAR; it takes model constructors.
+
+**Sliding-window recall** (:class:`WindowRecallConfig`, :func:`window_recall_sweep`): a stream
+of many more facts than a memory has key directions, whose queries ask only about the latest
+few (chapter 5's task that needs forgetting).
 """
 
 from __future__ import annotations
@@ -34,9 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpt2kimi.experiment import cell_mean, evaluating, rounded, seeded_splits, training_settings
-from gpt2kimi.mqar import IGNORE, MQARResult, MQARTraining, map_jobs
-from gpt2kimi.train import train
+from gpt2kimi.experiments.mqar import IGNORE, MQARResult, MQARTraining
+from gpt2kimi.experiments.sweep import map_jobs, rounded, training_settings
+from gpt2kimi.train import evaluating, seeded_splits, train
 
 
 @dataclass(frozen=True)
@@ -111,7 +117,7 @@ def rewrite_batches(
     cfg: RewriteConfig, batch_size: int, seed: int = 0
 ) -> Callable[[str], tuple[Tensor, Tensor]]:
     """A batch source for :func:`gpt2kimi.train.train`: ``batches("train")``, ``batches("val")``,
-    each split from its own seeded generator (as :func:`gpt2kimi.mqar.mqar_batches`)."""
+    each split from its own seeded generator (as :func:`gpt2kimi.experiments.mqar.mqar_batches`)."""
     return seeded_splits(lambda generator: rewrite_batch(cfg, batch_size, generator), seed)
 
 
@@ -179,8 +185,8 @@ def train_rewrite(
 ) -> RewriteResult:
     """Train ``model`` (``model(x, y)`` → ``(logits, loss)``) on the task, then score it.
 
-    The same training settings as MQAR (:class:`gpt2kimi.mqar.MQARTraining`), so the two tasks
-    share one budget; the test set is fixed and shared by every model.
+    The same training settings as MQAR (:class:`gpt2kimi.experiments.mqar.MQARTraining`), so
+    the two tasks share one budget; the test set is fixed and shared by every model.
     """
     training = MQARTraining() if training is None else training
     start = time.perf_counter()
@@ -205,7 +211,8 @@ def run_rewrite(
 ) -> dict:
     """Seed, build ``make_model()``, train it on ``cfg`` with ``training`` (its seed replaced by
     ``seed``); return ``{"num_keys", "seed", "accuracy", "stale", "seconds", "final_loss"}``
-    with floats rounded to 4 digits (as :func:`gpt2kimi.zoo.run_mqar` records MQAR runs)."""
+    with floats rounded to 4 digits (as :func:`gpt2kimi.experiments.mqar.run_mqar` records MQAR
+    runs)."""
     training = MQARTraining(seed=seed) if training is None else replace(training, seed=seed)
     torch.manual_seed(seed)
     result = train_rewrite(make_model(), cfg, training)
@@ -260,11 +267,6 @@ def rewrite_sweep(
         "seconds": round(time.perf_counter() - start, 1),
     }
     return {"settings": settings, "results": results}
-
-
-def mean_over_seeds(results: Iterable[dict], mixer: str, num_keys: int, field: str = "accuracy"):
-    """Mean of ``field`` over the seeds of one (mixer, keys) cell of a sweep's results."""
-    return cell_mean(results, field, mixer=mixer, num_keys=num_keys)
 
 
 # ==============================================================================================
@@ -362,7 +364,7 @@ def window_recall_batches(
     cfg: WindowRecallConfig, batch_size: int, seed: int = 0
 ) -> Callable[[str], tuple[Tensor, Tensor]]:
     """A batch source for :func:`gpt2kimi.train.train`: ``batches("train")``, ``batches("val")``,
-    each split from its own seeded generator (as :func:`gpt2kimi.mqar.mqar_batches`)."""
+    each split from its own seeded generator (as :func:`gpt2kimi.experiments.mqar.mqar_batches`)."""
     return seeded_splits(lambda generator: window_recall_batch(cfg, batch_size, generator), seed)
 
 

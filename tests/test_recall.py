@@ -6,11 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from gpt2kimi.experiment import settings_dict
-from gpt2kimi.mqar import IGNORE, MQARTraining
-from gpt2kimi.recall_tasks import (
+from gpt2kimi.experiments.mqar import IGNORE, MQARTraining
+from gpt2kimi.experiments.recall import (
     RewriteConfig,
-    mean_over_seeds,
     rewrite_batch,
     rewrite_batches,
     rewrite_scores,
@@ -19,6 +17,7 @@ from gpt2kimi.recall_tasks import (
     stale_values,
     train_rewrite,
 )
+from gpt2kimi.experiments.sweep import mean_over_seeds, settings_dict
 
 CFG = RewriteConfig(vocab_size=32, seq_len=41, num_keys=3, query_prob=0.5)
 
@@ -160,9 +159,9 @@ def test_sweep_records_every_run_and_repeats_itself():
     first = next(r for r in results if (r["mixer"], r["num_keys"], r["seed"]) == ("a", 3, 1))
     assert again["accuracy"] == first["accuracy"] and again["final_loss"] == first["final_loss"]
     cell = [r["accuracy"] for r in results if r["mixer"] == "b" and r["num_keys"] == 2]
-    assert mean_over_seeds(results, "b", 2) == pytest.approx(sum(cell) / 2)
+    assert mean_over_seeds(results, mixer="b", num_keys=2) == pytest.approx(sum(cell) / 2)
     with pytest.raises(KeyError):
-        mean_over_seeds(results, "c", 2)
+        mean_over_seeds(results, mixer="c", num_keys=2)
 
 
 def test_sweep_in_worker_processes_matches_one_process():
@@ -176,15 +175,15 @@ def test_sweep_in_worker_processes_matches_one_process():
         assert p["final_loss"] == pytest.approx(s["final_loss"], abs=1e-3)
 
 
-def test_bench_writes_the_sweep_and_its_live_subset(tmp_path, capsys):
+def test_the_command_writes_the_sweep_and_its_live_subset(tmp_path, capsys):
     import json
 
-    from gpt2kimi.bench.rewrite import format_table
-    from gpt2kimi.bench.rewrite import main as bench_main
+    from gpt2kimi.experiments.__main__ import rewrite_main
+    from gpt2kimi.experiments.rewrite import format_table
 
     out = tmp_path / "rewrite.json"
     args = "--mixers linear deltanet --keys 2 --seeds 0 --steps 2 --seq-len 10 --jobs 1"
-    bench_main([*args.split(), "--live-mixers", "linear", "--live-steps", "1", "--out", str(out)])
+    rewrite_main([*args.split(), "--live-mixers", "linear", "--live-steps", "1", "--out", str(out)])
     record = json.loads(out.read_text())
     assert [r["mixer"] for r in record["results"]] == ["linear", "deltanet"]
     assert record["settings"]["train_steps"] == 2 and record["settings"]["seq_len"] == 10

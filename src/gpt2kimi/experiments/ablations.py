@@ -10,7 +10,7 @@ Each answers a question the chapters ask of their trained results:
   ``g = −A · softplus(·)`` is exactly 0 and every decay ``α = e^g`` is exactly 1: KDA becomes
   DeltaNet with KDA's output gate.
 
-They are registered in :data:`gpt2kimi.zoo.MIXERS` (``"deltanet_additive"``,
+They are registered in :data:`gpt2kimi.experiments.registry.MIXERS` (``"deltanet_additive"``,
 ``"kda_no_forget"``), so the recall sweeps train them by name like any other mixer.
 """
 
@@ -21,7 +21,7 @@ from torch import Tensor
 
 from gpt2kimi.deltanet import DeltaNet, DeltaNetState
 from gpt2kimi.kda import KimiDeltaAttention
-from gpt2kimi.linear_attention import linear_attention_chunk
+from gpt2kimi.ops import chunk_linear_attn
 
 
 class AdditiveDeltaNet(DeltaNet):
@@ -45,7 +45,7 @@ class AdditiveDeltaNet(DeltaNet):
         B, T, d_model = x.shape
         q, k, v, conv = self.qkv(x, state)
         memory = None if state is None else state.memory
-        o, memory = linear_attention_chunk(
+        o, memory = chunk_linear_attn(
             q, k, v, initial_state=memory, chunk_size=self.chunk_size
         )
         y = self.o_proj(self.o_norm(o).reshape(B, T, d_model))

@@ -1,0 +1,190 @@
+"""Chapter 8's decoding speed: the hybrid against full attention, and against ``transformers``.
+
+Three models of the same width, depth and feed-forwards decode side by side, from caches filled
+with random numbers to a growing context (the speed of a step does not depend on what the cache
+holds): the Kimi-Linear-style hybrid (KDA ×3 + MLA, :data:`BENCH_CONFIG`), the same model with
+MLA in every layer, and with chapter 2's multi-head softmax attention in every layer
+(:func:`decode_sweep`). :func:`against_transformers` times the same tiny hybrid generating with
+this library and with ``transformers``' ``KimiLinearForCausalLM`` on the same weights.
+``python -m gpt2kimi.bench hybrid`` prints both.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from gpt2kimi.attention import SoftmaxAttention
+from gpt2kimi.backbone import LanguageModel, ModelCache
+from gpt2kimi.hybrid import HybridConfig, KimiHybrid, generate, make_ffn, to_hf_state_dict
+from gpt2kimi.kv_cache import LayerKVCache
+from gpt2kimi.mla import LatentCache
+from gpt2kimi.timing import fastest_interleaved, timed
+
+# The book's tiny hybrid: 4 layers, KDA ×3 then MLA, a dense first feed-forward, then experts.
+BENCH_CONFIG = HybridConfig(
+    vocab_size=256,
+    d_model=128,
+    mixers=("kda", "kda", "kda", "mla"),
+    ffns=("dense", "moe", "moe", "moe"),
+    kda_heads=2,
+    kda_head_dim=64,
+    mla_heads=2,
+    kv_lora_rank=64,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=16,
+    v_head_dim=64,
+    dense_hidden=256,
+    n_experts=8,
+    top_k=2,
+    expert_hidden=64,
+    n_shared_experts=1,
+)
+MODELS = ("hybrid", "all-MLA", "MHA")
+
+
+def build_models(config: HybridConfig = BENCH_CONFIG, seed: int = 0) -> dict[str, nn.Module]:
+    """The hybrid, the same with MLA everywhere, and with softmax attention (MHA) everywhere."""
+    torch.manual_seed(seed)
+    hybrid = KimiHybrid(config).eval()
+    all_mla = KimiHybrid(config.replace(mixers=("mla",) * config.n_layer)).eval()
+    mha = LanguageModel(
+        config.backbone_config(),
+        lambda d, h: SoftmaxAttention(d, config.mla_heads),
+        [lambda d, kind=kind: make_ffn(config, kind) for kind in config.ffns],
+    ).eval()
+    return {"hybrid": hybrid, "all-MLA": all_mla, "MHA": mha}
+
+
+def fill_cache(cache: ModelCache, n_tokens: int, generator: torch.Generator) -> None:
+    """Write ``n_tokens`` random tokens' worth into every growing cache of ``cache``.
+
+    KV and latent caches are filled (their reads cost what real ones do); fixed-size states stay
+    as they are (a KDA memory costs the same whatever it holds).
+    """
+    for layer in cache.layers:
+        state = layer.mixer
+        if isinstance(state, LatentCache):
+            B, rope = state.batch_size, state.rope_dim
+            c_kv = torch.randn(B, n_tokens, state.c_kv.size(-1), generator=generator)
+            state.update(c_kv.to(state.c_kv.dtype), torch.randn(B, n_tokens, rope).to(c_kv))
+        elif isinstance(state, LayerKVCache):
+            B, H, _, D = state.k.shape
+            k = torch.randn(B, H, n_tokens, D, generator=generator).to(state.k.dtype)
+            state.update(k, torch.randn_like(k))
+    cache.pos = n_tokens
+
+
+def rewind(cache: ModelCache, n_tokens: int) -> None:
+    """Forget every token after the first ``n_tokens`` (the decode steps a timing added)."""
+    for layer in cache.layers:
+        state = layer.mixer
+        if isinstance(state, LatentCache):
+            state.crop(n_tokens)
+        elif isinstance(state, LayerKVCache):
+            state.pos = n_tokens
+    cache.pos = n_tokens
+
+
+def decode_timer(
+    model: nn.Module, context: int, *, batch: int = 8, steps: int = 8
+) -> Callable[[], float]:
+    """A function that runs ``steps`` greedy decode steps after ``context`` cached tokens and
+    returns the seconds they took (it rewinds the cache first, so it can run again)."""
+    cache = model.new_cache(batch, context + steps)
+    fill_cache(cache, context, torch.Generator().manual_seed(0))
+    token = torch.zeros(batch, 1, dtype=torch.long)
+
+    @torch.no_grad()
+    def run() -> float:
+        rewind(cache, context)
+        start = time.perf_counter()
+        nxt = token
+        for _ in range(steps):
+            nxt = model(nxt, cache=cache)[:, -1:].argmax(dim=-1)
+        return time.perf_counter() - start
+
+    return run
+
+
+def decode_tokens_per_second(
+    model: nn.Module, context: int, *, batch: int = 8, steps: int = 8, repeats: int = 3
+) -> float:
+    """Tokens per second of ``steps`` greedy decode steps after ``context`` cached tokens."""
+    run = decode_timer(model, context, batch=batch, steps=steps)
+    return batch * steps / fastest_interleaved({"model": run}, repeats)["model"]
+
+
+def decode_sweep(
+    contexts: list[int], *, batch: int = 8, steps: int = 8, repeats: int = 3,
+    config: HybridConfig = BENCH_CONFIG,
+) -> dict:
+    """Tokens/s of the three models at every context length, measured side by side: at each
+    context the fastest of ``repeats`` interleaved rounds of the three models."""
+    models = build_models(config)
+    rates: dict[str, list[float]] = {name: [] for name in models}
+    for context in contexts:
+        runs = {name: decode_timer(m, context, batch=batch, steps=steps)
+                for name, m in models.items()}
+        for name, seconds in fastest_interleaved(runs, repeats).items():
+            rates[name].append(batch * steps / seconds)
+        del runs  # free this context's caches before the next, larger one
+    return {
+        "contexts": contexts,
+        "batch": batch,
+        "rounds": repeats,
+        "tokens_per_s": rates,
+        "hybrid_vs_mla": [h / m for h, m in zip(rates["hybrid"], rates["all-MLA"], strict=True)],
+        "hybrid_vs_mha": [h / m for h, m in zip(rates["hybrid"], rates["MHA"], strict=True)],
+    }
+
+
+def format_sweep(sweep: dict) -> str:
+    rates = sweep["tokens_per_s"]
+    rows = [
+        f"decode tokens/s, batch {sweep['batch']}, fastest of {sweep['rounds']} interleaved "
+        "rounds (higher is better)",
+        f"{'context':>8}" + "".join(f"{m:>10}" for m in MODELS) + f"{'hyb/MLA':>10}{'hyb/MHA':>10}",
+    ]
+    for i, context in enumerate(sweep["contexts"]):
+        cells = "".join(f"{rates[m][i]:>10.0f}" for m in MODELS)
+        rows.append(
+            f"{context:>8}{cells}{sweep['hybrid_vs_mla'][i]:>9.1f}x{sweep['hybrid_vs_mha'][i]:>9.1f}x"
+        )
+    return "\n".join(rows)
+
+
+@torch.no_grad()
+def against_transformers(
+    config: HybridConfig = BENCH_CONFIG, prompt_len: int = 32, new_tokens: int = 32,
+    rounds: int = 3,
+) -> dict:
+    """Seconds to generate ``new_tokens`` greedy tokens with this library and with
+    ``transformers`` (its PyTorch fallbacks) on the same weights, the fastest of ``rounds``
+    interleaved rounds; the outputs are checked equal."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    torch.manual_seed(0)
+    model = KimiHybrid(config).eval()
+    hf_config = KimiLinearConfig(**config.to_hf(), pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    hf = KimiLinearForCausalLM(hf_config).eval()
+    hf.load_state_dict(to_hf_state_dict(model))
+    prompt = torch.randint(3, config.vocab_size, (1, prompt_len),
+                           generator=torch.Generator().manual_seed(1))
+
+    def ours() -> torch.Tensor:
+        return generate(model, prompt, new_tokens)
+
+    def theirs() -> torch.Tensor:
+        return hf.generate(prompt, max_new_tokens=new_tokens, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+
+    same = torch.equal(ours(), theirs())
+
+    best = fastest_interleaved({"ours": timed(ours), "theirs": timed(theirs)}, rounds)
+    t_ours, t_theirs = best["ours"], best["theirs"]
+    return {"ours_s": t_ours, "transformers_s": t_theirs, "same_tokens": same,
+            "prompt_len": prompt_len, "new_tokens": new_tokens}

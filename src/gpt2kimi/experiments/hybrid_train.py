@@ -1,0 +1,147 @@
+"""Chapter 8's training runs: the hybrid against GPT-2 on the byte corpus, the KDA:MLA ratio,
+and the hybrid on MQAR.
+
+:func:`lm_sweep` trains GPT-2 of equal active parameters and the tiny hybrid (:data:`LM_CONFIG`)
+at several KDA:MLA mixes (:data:`RATIOS`) on the built-in byte corpus; :func:`mqar_runs` trains
+the hybrid (KDA then MLA), pure KDA and pure MLA on MQAR at chapter 3's settings.
+``python -m gpt2kimi.experiments hybrid --train lm|mqar`` runs them and writes chapter 8's
+results files (``book/data/hybrid_lm.json``, ``book/data/hybrid_mqar.json``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+import torch
+from torch import nn
+
+from gpt2kimi.accounting import gpt2_param_count
+from gpt2kimi.data import lm_batches, load_corpus
+from gpt2kimi.experiments.mqar import MQARConfig, MQARTraining, mqar_setup, run_mqar
+from gpt2kimi.experiments.registry import RECORDED_BACKBONE
+from gpt2kimi.experiments.sweep import machine_info, map_jobs, training_settings
+from gpt2kimi.gpt2 import GPT2, GPT2Config
+from gpt2kimi.hybrid import HybridConfig, KimiHybrid, count_params
+from gpt2kimi.moe import AuxLossWrapper
+from gpt2kimi.progress import say
+from gpt2kimi.train import TrainConfig, train
+
+# The tiny hybrid the chapter trains: width 64, 4 layers, a dense first layer, then 8 experts
+# (2 routed + 1 shared active, as wide as the dense one).
+LM_CONFIG = HybridConfig(
+    vocab_size=256,
+    d_model=64,
+    mixers=("kda", "kda", "kda", "mla"),
+    ffns=("dense", "moe", "moe", "moe"),
+    kda_heads=2,
+    kda_head_dim=32,
+    mla_heads=2,
+    kv_lora_rank=32,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    dense_hidden=192,
+    n_experts=8,
+    top_k=2,
+    expert_hidden=64,
+    n_shared_experts=1,
+)
+# KDA:MLA mixes of the same 4 layers (the paper's ratio ablation, at this scale)
+RATIOS: dict[str, tuple[str, ...]] = {
+    "0:1": ("mla", "mla", "mla", "mla"),
+    "1:1": ("kda", "mla", "kda", "mla"),
+    "3:1": ("kda", "kda", "kda", "mla"),
+    "all-KDA": ("kda", "kda", "kda", "kda"),
+}
+LM_TRAINING = dict(
+    steps=200, batch_size=16, block_size=64, lr=3e-3, warmup_steps=20, eval_interval=25,
+    eval_batches=4, bias_gamma=1e-3,
+)
+
+
+def gpt2_baseline_config(
+    active_params: int, config: HybridConfig = LM_CONFIG, block_size: int = 64
+) -> GPT2Config:
+    """GPT-2 of the hybrid's depth whose width makes its parameters closest to
+    ``active_params`` (widths in steps of the head count, 2)."""
+    def gpt2(width: int) -> GPT2Config:
+        return GPT2Config(vocab_size=config.vocab_size, block_size=block_size,
+                          n_layer=config.n_layer, n_head=2, n_embd=width)
+
+    widths = range(8, 4 * config.d_model, 2)
+    return gpt2(min(widths, key=lambda w: abs(gpt2_param_count(gpt2(w)) - active_params)))
+
+
+def lm_model(name: str, config: HybridConfig = LM_CONFIG, block_size: int = 64) -> nn.Module:
+    """``"gpt2"`` (the baseline of equal active parameters) or a ratio name of :data:`RATIOS`."""
+    if name == "gpt2":
+        touched = count_params(config).active_with_embedding  # as GPT-2's count has its table
+        return GPT2(gpt2_baseline_config(touched, config, block_size))
+    return KimiHybrid(config.replace(mixers=RATIOS[name]))
+
+
+def run_lm(job: tuple[str, int, dict]) -> dict:
+    """Train one model on the byte corpus; its validation curve in nats per byte."""
+    name, seed, settings = job
+    s = settings
+    torch.manual_seed(seed)
+    model = lm_model(name, block_size=s["block_size"])
+    total = sum(p.numel() for p in model.parameters())
+    # parameters one token uses, the embedding row included (GPT-2's embedding is its head)
+    active = total if name == "gpt2" else count_params(model.hybrid_config).active_with_embedding
+    trained = model if name == "gpt2" else AuxLossWrapper(model, bias_gamma=s["bias_gamma"])
+    cfg = TrainConfig(steps=s["steps"], lr=s["lr"], warmup_steps=min(s["warmup_steps"], s["steps"]),
+                      eval_interval=s["eval_interval"], eval_batches=s["eval_batches"], seed=seed)
+    batches = lm_batches(load_corpus(), s["batch_size"], s["block_size"], seed=seed)
+    history = train(trained, batches, cfg)
+    return {
+        "model": name, "seed": seed, "params": total, "active_params": active,
+        "val_steps": history.val_steps,
+        "val_loss": [round(v, 4) for v in history.val_loss],
+        "seconds": round(history.seconds, 1),
+    }
+
+
+def lm_sweep(names: list[str], seeds: list[int], jobs: int = 2, **overrides) -> dict:
+    settings = {**LM_TRAINING, **overrides}
+    start = time.perf_counter()
+    results = map_jobs(run_lm, [(n, s, settings) for n in names for s in seeds], jobs,
+                       log=lambda r: say(f"{r['model']:<8} seed {r['seed']}: val "
+                                         f"{r['val_loss'][-1]:.3f} ({r['seconds']:.0f} s)"))
+    return {"settings": {**settings, "config": asdict(LM_CONFIG),
+                         "models": names, "seeds": seeds, "jobs": jobs,
+                         "seconds": round(time.perf_counter() - start, 1),
+                         "machine": machine_info(jobs)},
+            "results": results}
+
+
+def run_mqar_job(job: tuple[str, int, int, dict]) -> dict:
+    """One MQAR run of the book's setting with a named mix of mixers (registry names per layer)."""
+    name, num_pairs, seed, kwargs = job
+    record = run_mqar(MQAR_MIXES[name], num_pairs, seed=seed, **kwargs)
+    return {**record, "mixer": name}
+
+
+MQAR_MIXES: dict[str, list[str]] = {"hybrid": ["kda", "mla"], "KDA": ["kda", "kda"],
+                                    "MLA": ["mla", "mla"]}
+
+
+def mqar_runs(pairs: list[int], seeds: list[int], steps: int, jobs: int = 2) -> dict:
+    """The hybrid (KDA then MLA), pure KDA and pure MLA on MQAR at chapter 3's settings (2
+    layers), ``steps`` training steps; the settings recorded are the task's, the backbone's and
+    the training's, as in chapters 3-6's MQAR files."""
+    training = MQARTraining(steps=steps)
+    grid = [(m, n, s, {"training": training}) for m in MQAR_MIXES for n in pairs for s in seeds]
+    start = time.perf_counter()
+    results = map_jobs(run_mqar_job, grid, jobs,
+                       log=lambda r: say(f"{r['mixer']:<7} N={r['num_pairs']} seed {r['seed']}: "
+                                         f"{r['accuracy']:.3f}"))
+    task, config, _ = mqar_setup()
+    return {"settings": {**task, "power_a": MQARConfig.power_a,
+                         **{k: getattr(config, k) for k in RECORDED_BACKBONE},
+                         **training_settings(training), "mixes": MQAR_MIXES,
+                         "pairs": pairs, "seeds": seeds, "jobs": jobs,
+                         "seconds": round(time.perf_counter() - start, 1),
+                         "machine": machine_info(jobs)},
+            "results": results}

@@ -1,0 +1,136 @@
+"""Chapters 3-5's speed: the chunkwise-parallel and recurrent forms of the linear-memory
+operators (:mod:`gpt2kimi.ops`), timed side by side.
+
+For each operator (``linear_attention``, ``delta_rule``, ``gated_delta_rule``, ``kda``) and each
+sequence length T, the recurrent form (a Python loop over T tokens) and the chunk form (a loop
+over T / C chunks, matrix products inside) run on the same random inputs one after the other, in
+inference mode (:func:`chunk_vs_recurrent`); :func:`time_vs_length` does so for several T and
+fits the log-log slope of time against T (both forms are linear in T;
+:func:`gpt2kimi.timing.loglog_slope`). Chapters 3-5 call them; ``python -m gpt2kimi.bench ops``
+prints :func:`format_table`. Timings depend on the machine; the unit tests never assert them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from gpt2kimi.deltanet import l2_normalize
+from gpt2kimi.ops import (
+    chunk_delta_rule,
+    chunk_gated_delta_rule,
+    chunk_kda,
+    chunk_linear_attn,
+    recurrent_delta_rule,
+    recurrent_gated_delta_rule,
+    recurrent_kda,
+    recurrent_linear_attn,
+)
+from gpt2kimi.timing import loglog_slope, time_fn
+
+# name -> (recurrent form, chunk form)
+OPERATORS: dict[str, tuple[Callable, Callable]] = {
+    "linear_attention": (recurrent_linear_attn, chunk_linear_attn),
+    "delta_rule": (recurrent_delta_rule, chunk_delta_rule),
+    "gated_delta_rule": (recurrent_gated_delta_rule, chunk_gated_delta_rule),
+    "kda": (recurrent_kda, chunk_kda),
+}
+
+
+def make_inputs(op: str, B: int, T: int, H: int, D: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Random inputs as a layer would give them, in fla's order ``(q, k, v[, g][, beta])``: unit
+    keys, β in (0, 1), log-decays g < 0."""
+    if op not in OPERATORS:
+        raise ValueError(f"unknown operator {op!r}; expected one of {sorted(OPERATORS)}")
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, D, generator=gen)
+    k = l2_normalize(torch.randn(B, T, H, D, generator=gen))
+    v = torch.randn(B, T, H, D, generator=gen)
+    if op == "linear_attention":
+        return q, k, v
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
+    if op == "delta_rule":
+        return q, k, v, beta
+    gate_shape = (B, T, H) if op == "gated_delta_rule" else (B, T, H, D)
+    # decays mostly near 1 (g ≈ −0.1), as the layers' gates start out
+    g = F.logsigmoid(torch.randn(*gate_shape, generator=gen) + 2.0)
+    return q, k, v, g, beta
+
+
+def chunk_vs_recurrent(
+    op: str,
+    B: int = 2,
+    T: int = 4096,
+    H: int = 4,
+    D: int = 64,
+    chunk_size: int = 64,
+    seed: int = 0,
+    repeats: int = 3,
+    warmup: int = 1,
+) -> dict:
+    """Median seconds of the recurrent and the chunk form of ``op`` on the same inputs.
+
+    Returns ``{"op", "B", "T", "H", "D", "chunk_size", "recurrent_s", "chunk_s", "speedup"}``
+    with ``speedup = recurrent_s / chunk_s``.
+    """
+    inputs = make_inputs(op, B, T, H, D, seed)  # raises for an unknown op
+    recurrent, chunk = OPERATORS[op]
+    with torch.inference_mode():
+        recurrent_s = time_fn(lambda: recurrent(*inputs), repeats=repeats, warmup=warmup)
+        chunk_s = time_fn(
+            lambda: chunk(*inputs, chunk_size=chunk_size), repeats=repeats, warmup=warmup
+        )
+    return dict(
+        op=op,
+        B=B,
+        T=T,
+        H=H,
+        D=D,
+        chunk_size=chunk_size,
+        recurrent_s=recurrent_s,
+        chunk_s=chunk_s,
+        speedup=recurrent_s / chunk_s,
+    )
+
+
+def time_vs_length(op: str, lengths: list[int], **settings) -> dict:
+    """Times of both forms for each T in ``lengths``, and their log-log slopes.
+
+    ``settings`` are :func:`chunk_vs_recurrent`'s (``B``, ``H``, ``D``, ``chunk_size``, ``seed``,
+    ``repeats``, ``warmup``). Returns ``{"op", "lengths", "recurrent_s", "chunk_s", "speedup",
+    "recurrent_slope", "chunk_slope"}`` (lists aligned with ``lengths``), ready for a log-log
+    plot.
+    """
+    rows = [chunk_vs_recurrent(op, T=T, **settings) for T in lengths]
+    result = dict(
+        op=op,
+        lengths=list(lengths),
+        recurrent_s=[r["recurrent_s"] for r in rows],
+        chunk_s=[r["chunk_s"] for r in rows],
+        speedup=[r["speedup"] for r in rows],
+    )
+    if len(lengths) > 1:
+        result["recurrent_slope"] = loglog_slope(lengths, result["recurrent_s"])
+        result["chunk_slope"] = loglog_slope(lengths, result["chunk_s"])
+    return result
+
+
+def format_table(results: list[dict]) -> str:
+    """One line per (operator, T), then each operator's log-log slopes."""
+    lines = [f"{'op':<18}{'T':>7}{'recurrent s':>14}{'chunk s':>11}{'speed-up':>10}"]
+    for res in results:
+        for T, rec, chk, up in zip(
+            res["lengths"], res["recurrent_s"], res["chunk_s"], res["speedup"], strict=True
+        ):
+            lines.append(f"{res['op']:<18}{T:>7}{rec:>14.4f}{chk:>11.4f}{up:>9.1f}x")
+    if any("chunk_slope" in res for res in results):
+        lines.append("")
+        lines.append(f"{'log-log slope of time vs T':<28}{'recurrent':>11}{'chunk':>8}")
+        for res in results:
+            if "chunk_slope" in res:
+                lines.append(
+                    f"{res['op']:<28}{res['recurrent_slope']:>11.2f}{res['chunk_slope']:>8.2f}"
+                )
+    return "\n".join(lines)
