@@ -5,8 +5,10 @@
 
 For each operator and each sequence length T, both forms run on the same random inputs
 (:func:`gpt2kimi.experiments.ops_speed.time_vs_length`); the table reports both times, their
-ratio, and each form's log-log slope of time against T. Timings depend on the machine; the unit
-tests never assert them.
+ratio, and each form's log-log slope of time against T. Then, if fla-core is installed
+(``pip install -e ".[bench]"``), each delta-rule operator's chunk form against fla's pure-PyTorch
+chunk reference at T = the longest length (:func:`gpt2kimi.experiments.ops_speed.against_fla`).
+Timings depend on the machine; the unit tests never assert them.
 """
 
 from __future__ import annotations
@@ -15,7 +17,13 @@ import argparse
 
 import torch
 
-from gpt2kimi.experiments.ops_speed import OPERATORS, format_table, time_vs_length
+from gpt2kimi.experiments.ops_speed import (
+    OPERATORS,
+    against_fla,
+    format_against_fla,
+    format_table,
+    time_vs_length,
+)
 
 
 def main(argv: list[str]) -> None:
@@ -51,6 +59,14 @@ def main(argv: list[str]) -> None:
             )
         )
     print(format_table(results))
+    fla_ops = [op for op in args.ops if op != "linear_attention"]
+    rows = against_fla(fla_ops, B=args.B, T=max(args.lengths), H=args.H, D=args.D, seed=args.seed)
+    print()
+    if rows:
+        print(f"against fla-core's chunk references, T={max(args.lengths)}, fastest of 7 rounds:")
+        print(format_against_fla(rows))
+    else:
+        print('fla-core is not installed: pip install -e ".[bench]" to compare with its references')
 
 
 if __name__ == "__main__":

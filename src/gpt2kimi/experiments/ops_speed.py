@@ -8,11 +8,21 @@ inference mode (:func:`chunk_vs_recurrent`); :func:`time_vs_length` does so for 
 fits the log-log slope of time against T (both forms are linear in T;
 :func:`gpt2kimi.timing.loglog_slope`). Chapters 3-5 call them; ``python -m gpt2kimi.bench ops``
 prints :func:`format_table`. Timings depend on the machine; the unit tests never assert them.
+
+:func:`against_fla` times the chunk forms of the three delta-rule operators against the
+pure-PyTorch chunk references of flash-linear-attention (fla-core's ``naive.py`` files, loaded
+by path so that fla's GPU-only package imports are skipped), interleaved, on the same inputs,
+and reports the largest output difference too. fla-core is an optional extra
+(``pip install -e ".[bench]"``); without it the comparison says so and returns nothing.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +38,7 @@ from gpt2kimi.ops import (
     recurrent_kda,
     recurrent_linear_attn,
 )
-from gpt2kimi.timing import loglog_slope, time_fn
+from gpt2kimi.timing import fastest_interleaved, loglog_slope, time_fn, timed
 
 # name -> (recurrent form, chunk form)
 OPERATORS: dict[str, tuple[Callable, Callable]] = {
@@ -133,4 +143,97 @@ def format_table(results: list[dict]) -> str:
                 lines.append(
                     f"{res['op']:<28}{res['recurrent_slope']:>11.2f}{res['chunk_slope']:>8.2f}"
                 )
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# against fla's pure-PyTorch references
+
+# operator -> (fla-core file, its chunk reference, its layout: "BHTD" head-first or "BTHD")
+FLA_REFERENCES = {
+    "delta_rule": ("ops/delta_rule/naive.py", "delta_rule_chunkwise", "BHTD"),
+    "gated_delta_rule": ("ops/gated_delta_rule/naive.py", "naive_chunk_gated_delta_rule", "BTHD"),
+    "kda": ("ops/kda/naive.py", "naive_chunk_kda", "BTHD"),
+}
+
+
+def load_fla(path: str, name: str) -> Callable | None:
+    """The function ``name`` of fla-core's file ``path`` (e.g. ``"ops/kda/naive.py"``), or None
+    when fla-core is not installed.
+
+    The file is loaded by its path: ``import fla`` would import the Triton kernels, which need a
+    GPU toolchain; the reference files need only torch and einops.
+    """
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    file = Path(list(spec.submodule_search_locations)[0]) / path
+    if not file.exists():
+        return None
+    name_of_module = f"fla_{file.parent.name}_{file.stem}"
+    module_spec = importlib.util.spec_from_file_location(name_of_module, file)
+    module: ModuleType = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def load_fla_reference(op: str) -> Callable | None:
+    """fla-core's pure-PyTorch chunk reference for ``op`` (:data:`FLA_REFERENCES`), or None."""
+    path, name, _ = FLA_REFERENCES[op]
+    return load_fla(path, name)
+
+
+def fla_runner(op: str, reference: Callable, inputs: tuple[torch.Tensor, ...]) -> Callable:
+    """A call of fla's reference on our inputs ``(q, k, v[, g], beta)`` that returns its output
+    in our layout [B, T, H, V]. The delta rule's reference is head-first ([B, H, T, D]): its
+    inputs are transposed here, before any clock starts."""
+    if FLA_REFERENCES[op][2] == "BHTD":
+        head_first = [x.transpose(1, 2).contiguous() for x in inputs]
+        return lambda: reference(*head_first, chunk_size=32)[0].transpose(1, 2)
+    q, k, v, g, beta = inputs
+    return lambda: reference(q, k, v, g=g, beta=beta, output_final_state=True)[0]
+
+
+def against_fla(
+    ops: list[str] | None = None,
+    B: int = 2,
+    T: int = 4096,
+    H: int = 4,
+    D: int = 64,
+    rounds: int = 7,
+    seed: int = 0,
+) -> list[dict]:
+    """Our chunk form against fla's chunk reference for each delta-rule operator.
+
+    Same inputs for both (fla's delta-rule reference runs chunks of 32, its default; the others
+    64, as ours do), in inference mode, the fastest of ``rounds`` interleaved rounds
+    (:func:`gpt2kimi.timing.fastest_interleaved`). Returns one dict per operator: ``{"op",
+    "ours_s", "fla_s", "ratio" (fla / ours: above 1 means ours is faster), "max_diff"}``; an
+    empty list without fla-core.
+    """
+    rows = []
+    for op in ops or list(FLA_REFERENCES):
+        reference = load_fla_reference(op)
+        if reference is None:
+            return []
+        inputs = make_inputs(op, B, T, H, D, seed)
+        ours = partial(OPERATORS[op][1], *inputs)
+        theirs = fla_runner(op, reference, inputs)
+        with torch.inference_mode():
+            max_diff = (ours()[0] - theirs()).abs().max().item()
+            best = fastest_interleaved({"ours": timed(ours), "fla": timed(theirs)}, rounds)
+        ratio = best["fla"] / best["ours"]
+        rows.append(dict(op=op, ours_s=best["ours"], fla_s=best["fla"], ratio=ratio,
+                         max_diff=max_diff))  # fmt: skip
+    return rows
+
+
+def format_against_fla(rows: list[dict]) -> str:
+    """One line per operator: both times, the ratio and the largest output difference."""
+    lines = [f"{'op':<18}{'ours s':>9}{'fla ref s':>11}{'fla / ours':>12}{'max |diff|':>12}"]
+    for r in rows:
+        lines.append(
+            f"{r['op']:<18}{r['ours_s']:>9.4f}{r['fla_s']:>11.4f}{r['ratio']:>11.2f}x"
+            f"{r['max_diff']:>12.1e}"
+        )
     return "\n".join(lines)
