@@ -21,7 +21,6 @@ from gpt2kimi.accounting import (
 )
 from gpt2kimi.attention import GPT2WithCache, SoftmaxAttention
 from gpt2kimi.gpt2 import GPT2Config
-from gpt2kimi.kv_cache import KVCache
 
 
 @pytest.mark.parametrize(
@@ -89,13 +88,14 @@ def test_bad_configs_are_rejected():
 @pytest.mark.parametrize("dtype,element", [(torch.float32, 4), (torch.bfloat16, 2)])
 def test_real_cache_tensors_take_the_bytes_of_the_formula(n_kv_heads, dtype, element):
     config = GPT2Config(vocab_size=50, block_size=24, n_layer=3, n_head=4, n_embd=32)
-    model = GPT2WithCache(config, n_kv_heads=n_kv_heads)
-    cache = KVCache.for_model(model, batch_size=2, max_len=20, dtype=dtype)
+    model = GPT2WithCache(config, n_kv_heads=n_kv_heads).to(dtype)
+    cache = model.new_cache(batch_size=2, max_len=20)
     cfg = ModelConfig.from_gpt2("tiny", config, n_kv_heads=n_kv_heads)
     assert cfg.attention == {4: "mha", 2: "gqa", 1: "mqa"}[n_kv_heads]
     assert cache.bytes_per_token == kv_cache_bytes_per_token(cfg, bytes_per_element=element)
     assert cache.nbytes == kv_cache_bytes(cfg, 20, batch=2, bytes_per_element=element)
-    assert cache.nbytes == sum(t.nbytes for layer in cache.layers for t in (layer.k, layer.v))
+    kv = [t for layer in cache.layers for t in (layer.mixer.k, layer.mixer.v)]
+    assert cache.nbytes == sum(t.nbytes for t in kv)
 
 
 @pytest.mark.parametrize("n_kv_heads", [1, 2, 4, 8])

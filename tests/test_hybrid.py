@@ -9,12 +9,11 @@ from gpt2kimi.gpt2 import CheckpointError
 from gpt2kimi.hybrid import (
     HybridConfig,
     KimiHybrid,
-    cache_bytes,
     count_params,
-    generate,
     hf_to_local,
     kda_layer,
 )
+from gpt2kimi.kv_cache import generate
 
 transformers = pytest.importorskip("transformers")
 
@@ -304,14 +303,32 @@ def test_cache_bytes_split_into_growing_and_fixed():
     cache = model.new_cache(B, max_len=32)
     with torch.no_grad():
         model(torch.randint(0, config.vocab_size, (B, T)), cache=cache)
-    got = cache_bytes(cache)
-    assert got.growing == B * T * config.cache_bytes_per_token(bytes_per_element=4)
-    assert got.fixed == B * config.state_bytes(bytes_per_element=4)
+    growing, fixed = cache.growing_bytes, cache.fixed_bytes
+    assert growing == B * T * config.cache_bytes_per_token(bytes_per_element=4)
+    assert fixed == B * config.state_bytes(bytes_per_element=4)
+    assert cache.used_bytes == growing + fixed
     with torch.no_grad():
         model(torch.randint(0, config.vocab_size, (B, 1)), cache=cache)
-    after = cache_bytes(cache)
-    assert after.fixed == got.fixed  # KDA's memory does not grow ...
-    assert after.growing == got.growing + B * config.cache_bytes_per_token(4)  # ... MLA's does
+    assert cache.fixed_bytes == fixed  # KDA's memory does not grow ...
+    assert cache.growing_bytes == growing + B * config.cache_bytes_per_token(4)  # ... MLA's does
+
+
+def test_a_hybrid_cache_resets_but_cannot_rewind():
+    """KDA's memory summarises the tokens: cropping raises (naming the block) and changes
+    nothing; reset() starts afresh, so the same prompt gives the same logits again."""
+    config = tiny_config()
+    torch.manual_seed(0)
+    model = KimiHybrid(config).eval()
+    idx = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    cache = model.new_cache(2, max_len=16)
+    with torch.no_grad():
+        first = model(idx, cache=cache)
+        with pytest.raises(ValueError, match="block 0 keeps a fixed-size memory"):
+            cache.crop(4)
+        assert cache.pos == 9
+        cache.reset()
+        assert cache.pos == 0 and cache.growing_bytes == 0
+        torch.testing.assert_close(model(idx, cache=cache), first)
 
 
 # ----------------------------------------------------------------------------------------------

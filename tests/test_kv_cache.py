@@ -1,14 +1,9 @@
 import pytest
 import torch
 
-from gpt2kimi.attention import GPT2WithCache
+from gpt2kimi.attention import GPT2WithCache, backbone_name
 from gpt2kimi.gpt2 import GPT2, GPT2Config
-from gpt2kimi.kv_cache import (
-    CacheOverflowError,
-    KVCache,
-    LayerKVCache,
-    generate,
-)
+from gpt2kimi.kv_cache import CacheOverflowError, LayerKVCache, generate
 
 TINY = GPT2Config(vocab_size=97, block_size=32, n_layer=2, n_head=4, n_embd=32)
 
@@ -25,17 +20,18 @@ def prompt(batch=3, length=5, seed=1):
 
 
 def test_same_parameters_and_outputs_as_chapter_1():
-    gpt2, cached = tiny_model(cls=GPT2), tiny_model()
-    assert gpt2.state_dict().keys() == cached.state_dict().keys()
-    for name, p in gpt2.state_dict().items():  # same seed, same initial weights
-        assert torch.equal(p, cached.state_dict()[name]), name
-    x = prompt(2, 12)
-    torch.testing.assert_close(cached(x), gpt2(x))
+    gpt2 = tiny_model(cls=GPT2)
     converted = GPT2WithCache.from_gpt2(gpt2)
+    renamed = {backbone_name(k): v.shape for k, v in gpt2.state_dict().items()}
+    assert renamed == {k: v.shape for k, v in converted.state_dict().items()}  # one-to-one
+    x = prompt(2, 12)
     torch.testing.assert_close(converted(x), gpt2(x))
-    assert converted.lm_head.weight is converted.transformer.wte.weight  # still tied
-    gqa = tiny_model(n_kv_heads=2)
-    torch.testing.assert_close(GPT2WithCache.from_gpt2(gqa)(x), gqa(x))
+    assert converted.lm_head.weight is converted.embed.weight  # still tied
+    fresh = tiny_model()  # built directly: GPT-2's initialisation, the backbone's names
+    assert fresh.state_dict().keys() == converted.state_dict().keys()
+    std = fresh.blocks[0].ffn.c_fc.weight.std().item()
+    proj_std = fresh.blocks[0].ffn.c_proj.weight.std().item()
+    assert abs(std - 0.02) < 0.005 and abs(proj_std - 0.02 / (2 * TINY.n_layer) ** 0.5) < 0.005
 
 
 @pytest.mark.parametrize("n_kv_heads", [None, 2, 1])
@@ -43,7 +39,7 @@ def test_cached_logits_equal_a_full_forward_pass(n_kv_heads):
     model = tiny_model(n_kv_heads)
     x = prompt(3, 20)
     full = model(x)
-    cache = KVCache.for_model(model, batch_size=3)
+    cache = model.new_cache(batch_size=3)
     pieces = [model(x[:, :7], cache=cache)]  # prefill with a 7-token prompt
     for t in range(7, 15):  # then one token at a time
         pieces.append(model(x[:, t : t + 1], cache=cache))
@@ -94,15 +90,15 @@ def test_zero_new_tokens_and_a_full_block():
 
 def test_going_past_block_size_is_a_clear_error():
     model = tiny_model()
-    with pytest.raises(ValueError, match="longer than block_size=32"):
+    with pytest.raises(ValueError, match="longer than n_positions=32"):
         generate(model, prompt(1, 30), 3)
-    with pytest.raises(ValueError, match="longer than block_size=32"):
+    with pytest.raises(ValueError, match="longer than n_positions=32"):
         generate(model, prompt(1, 30), 3, use_cache=False)
-    with pytest.raises(ValueError, match="longer than block_size"):
-        KVCache.for_model(model, 1, max_len=33)
-    cache = KVCache.for_model(model, 1)
+    with pytest.raises(ValueError, match="longer than n_positions"):
+        model.new_cache(1, max_len=33)
+    cache = model.new_cache(1)
     model(prompt(1, 30), cache=cache)
-    with pytest.raises(ValueError, match="longer than block_size=32"):
+    with pytest.raises(ValueError, match="longer than n_positions=32"):
         model(prompt(1, 3), cache=cache)
 
 
@@ -114,7 +110,7 @@ def test_bad_prompts_are_rejected():
         generate(model, torch.zeros(2, 0, dtype=torch.long), 3)
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(model, prompt(), -1)
-    cache = KVCache.for_model(model, 2)
+    cache = model.new_cache(2)
     with pytest.raises(ValueError, match="batch size 2"):
         model(prompt(3, 2), cache=cache)
 
@@ -135,18 +131,30 @@ def test_layer_cache_is_preallocated_and_overflows_clearly():
         cache.update(torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4))
     cache.reset()
     assert cache.pos == 0
+    cache.update(k, v)
+    cache.crop(1)
+    k_all, _ = cache.update(k[:, :, 1:2], v[:, :, 1:2])  # overwrites the second token
+    assert cache.pos == 2 and torch.equal(k_all, k[:, :, :2])
+    with pytest.raises(ValueError, match=r"can keep 0 … 2 cached tokens, got 3"):
+        cache.crop(3)
 
 
-def test_model_cache_bytes():
+def test_model_cache_bytes_crop_and_reset():
     model = tiny_model(n_kv_heads=2)
-    cache = KVCache.for_model(model, batch_size=3, max_len=10)
+    cache = model.new_cache(batch_size=3, max_len=10)
     per_token = 2 * TINY.n_layer * 2 * (TINY.n_embd // TINY.n_head) * 4
     assert cache.bytes_per_token == per_token
     assert cache.nbytes == 3 * 10 * per_token
     model(prompt(3, 4), cache=cache)
     assert (cache.pos, cache.used_bytes) == (4, 3 * 4 * per_token)
+    x = prompt(3, 6)
+    expected = model(x)
+    cache.crop(0)  # rewind: the cache of tokens forgets the prompt
+    torch.testing.assert_close(model(x, cache=cache), expected)
+    cache.crop(2)
+    torch.testing.assert_close(model(x[:, 2:], cache=cache), expected[:, 2:])
     cache.reset()
-    assert cache.pos == 0
+    assert cache.pos == 0 and cache.used_bytes == 0
 
 
 def test_training_still_works():
@@ -154,7 +162,7 @@ def test_training_still_works():
     x = prompt(2, 8)
     _, loss = model(x[:, :-1], x[:, 1:])
     loss.backward()
-    assert model.transformer.h[0].attn.c_attn.weight.grad is not None
+    assert model.blocks[0].mixer.c_attn.weight.grad is not None
 
 
 def test_benchmark_helpers_on_a_tiny_model():
@@ -178,13 +186,13 @@ def test_converting_shares_or_copies_the_weights():
     shared = GPT2WithCache.from_gpt2(gpt2, copy=False)
     copied = GPT2WithCache.from_gpt2(gpt2)
     wte = gpt2.transformer.wte.weight
-    assert shared.transformer.wte.weight.data_ptr() == wte.data_ptr()
-    assert copied.transformer.wte.weight.data_ptr() != wte.data_ptr()
-    assert shared.lm_head.weight is shared.transformer.wte.weight
+    assert shared.embed.weight.data_ptr() == wte.data_ptr()
+    assert copied.embed.weight.data_ptr() != wte.data_ptr()
+    assert shared.lm_head.weight is shared.embed.weight
     x = prompt(2, 4)
     assert torch.equal(generate(shared, x, 10), generate(copied, x, 10))
     with torch.no_grad():
-        copied.transformer.wte.weight.zero_()
+        copied.embed.weight.zero_()
     assert wte.abs().sum() > 0  # the original is untouched by what happens to a copy
 
 
@@ -192,7 +200,7 @@ def test_an_empty_sequence_is_a_clear_error_with_or_without_a_cache():
     model = tiny_model()
     with pytest.raises(ValueError, match="at least one token"):
         model(torch.zeros(2, 0, dtype=torch.long))
-    cache = KVCache.for_model(model, 2)
+    cache = model.new_cache(2)
     with pytest.raises(ValueError, match="at least one token"):
         model(torch.zeros(2, 0, dtype=torch.long), cache=cache)
     model(prompt(2, 3), cache=cache)

@@ -79,7 +79,7 @@ def test_equals_deepseek_v3_attention(q_lora_rank, rope_interleave):
     with torch.no_grad():
         expected, _ = ref(x, position_embeddings=cos_sin, attention_mask=causal_additive_mask(B, T))
         torch.testing.assert_close(mla(x), expected)
-        torch.testing.assert_close(mla(x, absorb=True), expected)
+        torch.testing.assert_close(mla.attend(x, absorb=True), expected)
 
 
 @pytest.mark.parametrize("q_lora_rank", [None, 12])
@@ -92,7 +92,7 @@ def test_equals_kimi_linear_attention(q_lora_rank):
     with torch.no_grad():
         expected, _ = ref(x, attention_mask=causal_additive_mask(B, T))
         torch.testing.assert_close(mla(x), expected)
-        torch.testing.assert_close(mla(x, absorb=True), expected)
+        torch.testing.assert_close(mla.attend(x, absorb=True), expected)
 
 
 def test_interleaved_checkpoint_is_the_halves_layout_after_a_permutation():
@@ -127,13 +127,15 @@ def test_three_decode_paths_equal_the_full_forward_token_by_token(rope, q_lora_r
     with torch.no_grad():
         full = mla(x)
         naive_cache = mla.expanded_cache(B, T)
-        latent_caches = {absorb: LatentCache.for_attention(mla, B, T) for absorb in (False, True)}
+        latent_caches = {path: LatentCache.for_attention(mla, B, T) for path in (False, True, None)}
         steps = [slice(0, prompt)] + [slice(t, t + 1) for t in range(prompt, T)]  # prefill, decode
-        outputs = {"naive": [], "re-expanded": [], "absorbed": []}
+        outputs = {"naive": [], "re-expanded": [], "absorbed": [], "forward": []}
         for s in steps:
             outputs["naive"].append(mla.forward_expanded_cache(x[:, s], naive_cache))
-            outputs["re-expanded"].append(mla(x[:, s], latent_caches[False]))
-            outputs["absorbed"].append(mla(x[:, s], latent_caches[True], absorb=True))
+            outputs["re-expanded"].append(mla.attend(x[:, s], latent_caches[False]))
+            outputs["absorbed"].append(mla.attend(x[:, s], latent_caches[True], absorb=True))
+            # the contract: the layer picks the path (expanded prompt, absorbed single tokens)
+            outputs["forward"].append(mla(x[:, s], latent_caches[None]))
     for name, ys in outputs.items():
         torch.testing.assert_close(torch.cat(ys, dim=1), full, msg=name)
     assert naive_cache.pos == latent_caches[True].pos == T
@@ -150,8 +152,8 @@ def test_several_new_tokens_after_a_cache_see_the_causal_mask():
         full = mla(x)
         for absorb in (False, True):
             cache = LatentCache.for_attention(mla, 1, 12)
-            first = mla(x[:, :4], cache, absorb=absorb)
-            rest = mla(x[:, 4:], cache, absorb=absorb)  # 8 tokens at once, after 4 cached ones
+            first = mla.attend(x[:, :4], cache, absorb=absorb)
+            rest = mla.attend(x[:, 4:], cache, absorb=absorb)  # 8 tokens after 4 cached ones
             torch.testing.assert_close(torch.cat([first, rest], dim=1), full)
 
 
@@ -165,7 +167,7 @@ def test_return_state_gives_the_cache_to_continue_from():
         cache = LatentCache.for_attention(mla, 2, 9)
         y1, same = mla(x[:, :6], cache, return_state=True)
         assert same is cache
-        y2 = mla(x[:, 6:], cache, absorb=True)
+        y2 = mla.attend(x[:, 6:], cache, absorb=True)
         torch.testing.assert_close(torch.cat([y1, y2], 1), mla(x))
 
 
@@ -232,7 +234,7 @@ def test_cache_overflow_and_mismatched_caches_give_clear_errors():
     x = torch.randn(1, 3, 40, dtype=torch.float64)
     mla(x, cache)
     with pytest.raises(CacheOverflowError, match="holds 4 tokens; 3 are cached and 3 more"):
-        mla(x, cache, absorb=True)
+        mla.attend(x, cache, absorb=True)
     with pytest.raises(CacheOverflowError, match="holds 2 tokens"):
         mla.forward_expanded_cache(x, mla.expanded_cache(1, 2))
     with pytest.raises(ValueError, match="batch size 1, got 2"):
@@ -276,7 +278,7 @@ def test_nope_allows_no_rope_key_at_all():
     x = torch.randn(2, 7, 32, dtype=torch.float64)
     cache = LatentCache.for_attention(mla, 2, 7)
     with torch.no_grad():
-        steps = [mla(x[:, t : t + 1], cache, absorb=True) for t in range(7)]
+        steps = [mla.attend(x[:, t : t + 1], cache, absorb=True) for t in range(7)]
         torch.testing.assert_close(torch.cat(steps, 1), mla(x))
 
 

@@ -14,23 +14,25 @@ the output projection): with ``n_kv_heads == n_head`` the layer loads the attent
 chapter-1 :class:`gpt2kimi.gpt2.Block` directly. ``SoftmaxAttention(d_model, n_head)`` is also the
 "softmax attention" token mixer that later chapters compare their linear memories against.
 
-:class:`GPT2WithCache` is chapter 1's GPT-2 with this attention in every block, so its forward
-takes a :class:`gpt2kimi.kv_cache.KVCache`; ``GPT2WithCache.from_gpt2`` converts a trained
-``GPT2`` losslessly (same parameter names). The caches live in :mod:`gpt2kimi.kv_cache`, below
-this module.
+:class:`GPT2WithCache` is chapter 1's GPT-2 built as the backbone's
+:class:`~gpt2kimi.backbone.LanguageModel` with this attention as its token mixer, so it decodes
+with the backbone's :class:`~gpt2kimi.backbone.ModelCache`; ``GPT2WithCache.from_gpt2`` converts
+a trained ``GPT2`` losslessly (one table renames its parameters). The cache lives in
+:mod:`gpt2kimi.kv_cache`, below this module.
 """
 
 from __future__ import annotations
 
 import functools
-import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpt2kimi.gpt2 import GPT2, GPT2Config
-from gpt2kimi.kv_cache import KVCache, LayerKVCache
+from gpt2kimi.backbone import BackboneConfig, LanguageModel
+from gpt2kimi.gpt2 import GPT2, MLP, GPT2Config
+from gpt2kimi.kv_cache import LayerKVCache
 
 
 def cached_causal_mask(n_new: int, n_past: int, device: torch.device | None = None) -> torch.Tensor:
@@ -152,102 +154,72 @@ class SoftmaxAttention(nn.Module):
         return (y, state) if return_state else y
 
 
-class GPT2WithCache(GPT2):
-    """Chapter 1's GPT-2 whose attention layers take a KV cache and may share key/value heads.
+# chapter 1's parameter names -> the backbone's
+GPT2_TO_BACKBONE = {
+    "transformer.wte.": "embed.",
+    "transformer.wpe.": "pos_embed.",
+    "transformer.h.": "blocks.",
+    "transformer.ln_f.": "norm_f.",
+    ".ln_1.": ".norm_1.",
+    ".attn.": ".mixer.",
+    ".ln_2.": ".norm_2.",
+    ".mlp.": ".ffn.",
+}
 
-    With ``n_kv_heads=None`` (or ``n_head``) the model has exactly the parameters, names and
-    outputs of ``GPT2(config)``, and the same initial weights for the same seed.
-    ``forward(idx, cache=cache)`` treats idx as the tokens that follow the ``cache.pos`` cached
-    ones: positions start at ``cache.pos``.
+
+def backbone_name(gpt2_name: str) -> str:
+    """``transformer.h.0.attn.c_attn.weight`` -> ``blocks.0.mixer.c_attn.weight``."""
+    for old, new in GPT2_TO_BACKBONE.items():
+        gpt2_name = gpt2_name.replace(old, new)
+    return gpt2_name
+
+
+class GPT2WithCache(LanguageModel):
+    """Chapter 1's GPT-2 as the backbone every later chapter uses, so that it decodes with the
+    backbone's :class:`~gpt2kimi.backbone.ModelCache` and :func:`~gpt2kimi.kv_cache.generate`.
+
+    The same computation as :class:`~gpt2kimi.gpt2.GPT2`: learned positions, LayerNorm pre-norm
+    blocks, chapter 1's MLP, a tied head; the token mixer is :class:`SoftmaxAttention`, with
+    ``n_kv_heads`` (None: ``n_head``, plain MHA) heads of keys and values. Build it from a
+    trained GPT-2 with :meth:`from_gpt2` (the same weights, under the backbone's names). The
+    forward is the backbone's :meth:`~gpt2kimi.backbone.LanguageModel.forward`: with a cache,
+    the tokens follow the ``cache.pos`` cached ones and get the positions after them. (In
+    training mode with dropout, the backbone also drops the attention's output, as GPT-2's
+    released model does and chapter 1's does not.)
     """
 
     def __init__(self, config: GPT2Config, n_kv_heads: int | None = None) -> None:
-        super().__init__(config)
+        backbone = BackboneConfig(
+            vocab_size=config.vocab_size,
+            d_model=config.n_embd,
+            n_layer=config.n_layer,
+            n_head=config.n_head,
+            n_positions=config.block_size,
+            norm="layernorm",
+            norm_eps=config.layer_norm_eps,
+            dropout=config.dropout,
+        )
+        mixer = functools.partial(SoftmaxAttention, n_kv_heads=n_kv_heads, dropout=config.dropout)
+        mlp_config = replace(config, dropout=0.0)  # the block drops the MLP's output itself
+        super().__init__(backbone, mixer, lambda d_model: MLP(mlp_config))
+        self.gpt2_config = config
         self.n_kv_heads = config.n_head if n_kv_heads is None else n_kv_heads
-        for block in self.transformer.h:
-            attn = SoftmaxAttention(
-                config.n_embd, config.n_head, self.n_kv_heads, dropout=config.dropout
-            )
-            if self.n_kv_heads == config.n_head:  # same shapes: keep chapter 1's initial weights
-                attn.load_state_dict(block.attn.state_dict())
-            else:  # fewer key/value heads: initialise as GPT-2 does
-                attn.apply(self._init_weights)
-                torch.nn.init.normal_(
-                    attn.c_proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer)
-                )
-            block.attn = attn
 
     @classmethod
     def from_gpt2(cls, model: GPT2, *, copy: bool = True) -> GPT2WithCache:
-        """``model`` (a trained GPT2) as a GPT2WithCache: the same weights, attention with a cache.
+        """``model`` (a trained GPT2) as a GPT2WithCache: the same weights under the backbone's
+        names (:data:`GPT2_TO_BACKBONE`).
 
         ``copy=True`` gives the new model its own copy of the weights (the original is left
         untouched whatever happens to the copy); ``copy=False`` shares the very same tensors,
-        which costs nothing (:func:`generate` converts that way). Either way the model is built
-        on the meta device, so no time goes into initialising weights that are then replaced.
+        which costs nothing. Either way the model is built on the meta device, so no time goes
+        into initialising weights that are then replaced.
         """
         with torch.device("meta"):
-            new = cls(model.config, getattr(model, "n_kv_heads", None))
-        state = model.state_dict()
+            new = cls(model.config)
+        state = {backbone_name(k): v for k, v in model.state_dict().items()}
         if copy:
             state = {name: tensor.clone() for name, tensor in state.items()}
         new.load_state_dict(state, assign=True)
-        new.lm_head.weight = new.transformer.wte.weight  # tie again: assign set two tensors
+        new.lm_head.weight = new.embed.weight  # tie again: assign set two tensors
         return new.train(model.training)
-
-    def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
-        """An empty :class:`KVCache` for this model (what :func:`generate` asks every model for)."""
-        return KVCache.for_model(self, batch_size, max_len)
-
-    def check_input(self, idx: torch.Tensor, cache: KVCache | None = None) -> None:
-        """Chapter 1's checks of ``idx`` (shape, ids in range, length); with a cache, also that
-        the cache fits the model and the batch, and the length counts the cached tokens.
-
-        Ids that continue a cache are not range-checked: the check waits for the device (a sync
-        at every decoding step), the prompt had it, and generated ids lie in range by
-        construction.
-        """
-        if cache is None or cache.pos == 0 or idx.dim() != 2 or idx.size(1) == 0:
-            super().check_input(idx)
-        elif cache.pos + idx.size(1) > self.config.block_size:
-            raise ValueError(
-                f"sequence of {cache.pos + idx.size(1)} tokens is longer than block_size="
-                f"{self.config.block_size}, the number of learned positions"
-            )
-        if cache is not None:
-            if len(cache.layers) != len(self.transformer.h):
-                raise ValueError(
-                    f"cache has {len(cache.layers)} layers, model has {len(self.transformer.h)}"
-                )
-            if cache.layers[0].k.size(0) != idx.size(0):
-                raise ValueError(
-                    f"cache was allocated for batch size {cache.layers[0].k.size(0)}, "
-                    f"got {idx.size(0)} sequences"
-                )
-
-    def forward(
-        self,
-        idx: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        *,
-        cache: KVCache | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """idx [B, T] → logits [B, T, vocab_size] (and the loss with targets), as ``GPT2``.
-
-        With a cache, the T tokens are appended to it and sit at positions
-        ``cache.pos … cache.pos + T - 1``.
-        """
-        self.check_input(idx, cache)
-        start = 0 if cache is None else cache.pos
-        pos = torch.arange(start, start + idx.size(1), device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for i, block in enumerate(self.transformer.h):
-            layer_cache = None if cache is None else cache.layers[i]
-            # chapter 1's Block.forward, with the layer's cache (filled in place) for the attention
-            x = x + block.attn(block.ln_1(x), layer_cache)
-            x = x + block.mlp(block.ln_2(x))
-        logits = self.lm_head(self.transformer.ln_f(x))
-        if targets is None:
-            return logits
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
-        return logits, loss

@@ -26,7 +26,11 @@ object, and they all take it the same way::
   gives the outputs of one call on the whole sequence.
 - The state is the mixer's own object: a :class:`gpt2kimi.kv_cache.LayerKVCache` (softmax
   attention), a fixed-size recurrent memory (linear attention, the DeltaNet family), a latent
-  cache (MLA). Whatever it holds, it has ``nbytes``: the bytes it takes for this layer.
+  cache (MLA). Whatever it holds, it has ``nbytes`` (the bytes it takes for this layer),
+  ``reset()`` (forget every token, keep the allocation) and ``crop(n)`` (keep the first n
+  tokens): a cache of tokens rewinds, a fixed-size memory (:class:`RecurrentState`) cannot and
+  says so. A state that keeps every token also has ``bytes_per_token``, ``pos`` and
+  ``batch_size``, which :class:`ModelCache` sums.
 - A mixer may update the state it is given in place (a pre-allocated KV cache does, so a step
   copies nothing) and return that same object: callers always continue with the returned one.
 - A mixer whose state must be allocated up front for the longest sequence (a KV cache) also has
@@ -54,7 +58,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
 import torch
@@ -195,6 +199,35 @@ class TokenShift(nn.Module):
         return (x + y, state) if return_state else x + y
 
 
+class RecurrentState:
+    """A fixed-size memory of everything a layer has read: linear attention's ``S``, the DeltaNet
+    family's ``S`` and convolution tail. It has the same bytes at any length.
+
+    Subclasses are dataclasses of tensors. The state summarises its tokens instead of keeping
+    them, so it cannot rewind (:meth:`crop` raises); :meth:`reset` zeroes it in place, which is
+    exactly the state of a fresh sequence.
+    """
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors())
+
+    def reset(self) -> None:
+        """Forget every token: the memory and any tail of inputs become zeros."""
+        for t in self.tensors():
+            t.zero_()
+
+    def crop(self, n: int) -> None:
+        raise ValueError(
+            f"{type(self).__name__} cannot rewind to {n} tokens: a fixed-size memory keeps a "
+            "summary of every token it read, not the tokens; keep a copy of the state from that "
+            "point instead (or reset() and feed the tokens again)"
+        )
+
+
 class BlockState(NamedTuple):
     """What one block remembers while decoding: its mixer's state and its token shift's."""
 
@@ -204,6 +237,23 @@ class BlockState(NamedTuple):
     @property
     def nbytes(self) -> int:
         return sum(part.nbytes for part in self if part is not None)
+
+    @property
+    def rewinds(self) -> bool:
+        """Whether :meth:`crop` can go back: a cache of tokens can, a fixed-size memory cannot."""
+        return self.shift is None and not isinstance(self.mixer, RecurrentState)
+
+    def reset(self) -> None:
+        if self.mixer is not None:
+            self.mixer.reset()
+        if self.shift is not None:
+            self.shift.zero_()  # the last inputs of a fresh sequence are zeros
+
+    def crop(self, n: int) -> None:
+        if self.shift is not None:
+            RecurrentState.crop(self, n)  # a token shift's tail is a fixed-size memory too
+        if self.mixer is not None:
+            self.mixer.crop(n)
 
 
 class Block(nn.Module):
@@ -294,8 +344,64 @@ class ModelCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by every layer's state (a KV cache counts its whole buffer)."""
+        """Bytes allocated by every layer's state (a KV cache counts its whole buffer)."""
         return sum(layer.nbytes for layer in self.layers)
+
+    def growing(self) -> list:
+        """The layer states that keep every token (KV and latent caches: they have
+        ``bytes_per_token``); the others are fixed-size memories."""
+        return [layer.mixer for layer in self.layers if hasattr(layer.mixer, "bytes_per_token")]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one more token of one sequence adds, over every layer that keeps its tokens."""
+        return sum(state.bytes_per_token for state in self.growing())
+
+    @property
+    def growing_bytes(self) -> int:
+        """Bytes holding the tokens cached so far (not the room allocated for later ones)."""
+        return sum(s.batch_size * s.pos * s.bytes_per_token for s in self.growing())
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Bytes of the fixed-size states (recurrent memories, convolution tails)."""
+        growing = {id(state) for state in self.growing()}
+        return sum(
+            part.nbytes
+            for layer in self.layers
+            for part in layer
+            if part is not None and id(part) not in growing
+        )
+
+    @property
+    def used_bytes(self) -> int:
+        """What the cache holds now: the tokens cached so far plus every fixed-size state."""
+        return self.growing_bytes + self.fixed_bytes
+
+    def reset(self) -> None:
+        """Forget every sequence: caches empty, memories zero (allocations are kept)."""
+        for layer in self.layers:
+            layer.reset()
+        self.pos = 0
+
+    def crop(self, n: int) -> None:
+        """Keep only the first ``n`` tokens (to undo decode steps, or reuse a prompt).
+
+        Caches of tokens rewind; a fixed-size memory cannot, and a cache holding one raises a
+        ``ValueError`` naming the block, before anything changes.
+        """
+        if not 0 <= n <= self.pos:
+            raise ValueError(f"can keep 0 … {self.pos} cached tokens, got {n}")
+        for i, layer in enumerate(self.layers):
+            if not layer.rewinds:
+                raise ValueError(
+                    f"block {i} keeps a fixed-size memory ({type(layer.mixer).__name__}"
+                    f"{' and a token shift' if layer.shift is not None else ''}), which cannot "
+                    "rewind: only caches of tokens can be cropped"
+                )
+        for layer in self.layers:
+            layer.crop(n)
+        self.pos = n
 
 
 class LanguageModel(nn.Module):
@@ -347,18 +453,29 @@ class LanguageModel(nn.Module):
                 if proj is not None:
                     nn.init.normal_(proj.weight, mean=0.0, std=std)
 
-    def new_cache(self, batch_size: int, max_len: int) -> ModelCache:
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> ModelCache:
         """An empty cache for decoding ``batch_size`` sequences of up to ``max_len`` tokens.
 
         A mixer with ``init_state`` allocates its state now (a KV cache with room for ``max_len``
-        tokens, in the model's dtype and device); the others start from None.
+        tokens, in the model's dtype and device); the others start from None. ``max_len``
+        defaults to ``n_positions``, and may not exceed it.
         """
+        n_pos = self.config.n_positions
+        if max_len is None:
+            max_len = n_pos
+        if max_len is not None and n_pos is not None and max_len > n_pos:
+            raise ValueError(
+                f"max_len={max_len} is longer than n_positions={n_pos}: the model has no "
+                "position embedding beyond it"
+            )
         for i, block in enumerate(self.blocks):
             if not takes_state(block.mixer):
                 raise TypeError(
                     f"the token mixer of block {i}, {type(block.mixer).__name__}, cannot decode: "
                     "its forward must take (x, state=None, return_state=False) (gpt2kimi.backbone)"
                 )
+        if max_len is None and any(hasattr(b.mixer, "init_state") for b in self.blocks):
+            raise ValueError("max_len is needed: a KV cache is allocated for the longest sequence")
         weight = self.embed.weight
         return ModelCache(
             [

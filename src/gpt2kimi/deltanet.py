@@ -13,13 +13,13 @@ of chapter 5.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpt2kimi.backbone import CausalConv1d, RMSNorm
+from gpt2kimi.backbone import CausalConv1d, RecurrentState, RMSNorm
 from gpt2kimi.linear_attention import head_dim_of
 from gpt2kimi.ops import chunk_delta_rule, recurrent_delta_rule
 
@@ -32,15 +32,12 @@ def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt(x.pow(2).sum(dim=-1, keepdim=True) + eps)
 
 
-class DeltaNetState(NamedTuple):
+@dataclass
+class DeltaNetState(RecurrentState):
     """What a DeltaNet-family layer carries from one piece of a sequence to the next."""
 
     memory: Tensor  # S: [B, H, K, V]
     conv: Tensor  # the short convolution's last inputs: [B, conv_size − 1, 3 · H · head_dim]
-
-    @property
-    def nbytes(self) -> int:
-        return self.memory.nbytes + self.conv.nbytes
 
 
 class DeltaNet(nn.Module):

@@ -12,7 +12,7 @@ Kimi Linear (Kimi Team 2025) puts the book's pieces into one stack of pre-norm b
 (``"dense"`` / ``"moe"``) and reads both forms of a Kimi Linear configuration
 (:meth:`HybridConfig.from_hf`). :class:`KimiHybrid` is chapter 3's
 :class:`~gpt2kimi.backbone.LanguageModel` with those layers and an untied head, so it decodes
-with the backbone's cache and :func:`generate`. :meth:`KimiHybrid.from_hf` loads a
+with the backbone's cache and :func:`gpt2kimi.kv_cache.generate`. :meth:`KimiHybrid.from_hf` loads a
 ``transformers`` ``KimiLinearForCausalLM`` state dict: the layers carry ``transformers``' own
 parameter names, so only the prefixes in :data:`HF_PREFIXES` change.
 """
@@ -28,11 +28,10 @@ import torch
 from torch import Tensor, nn
 
 from gpt2kimi.accounting import ModelConfig
-from gpt2kimi.backbone import BackboneConfig, LanguageModel, ModelCache, SwiGLU
+from gpt2kimi.backbone import BackboneConfig, LanguageModel, SwiGLU
 from gpt2kimi.gpt2 import CheckpointError, checkpoint_problems
 from gpt2kimi.kda import KimiDeltaAttention
-from gpt2kimi.kv_cache import generate as _generate
-from gpt2kimi.mla import LatentCache, MLAConfig, MultiHeadLatentAttention
+from gpt2kimi.mla import MLAConfig, MultiHeadLatentAttention
 from gpt2kimi.moe import MoE, MoEConfig
 
 MIXER_TYPES = ("kda", "mla")
@@ -363,23 +362,10 @@ def kda_layer(config: HybridConfig) -> KimiDeltaAttention:
     )
 
 
-class KimiLinearMLA(MultiHeadLatentAttention):
-    """Chapter 6's MLA (NoPE) as the hybrid's exact memory: a prompt attends over expanded keys
-    and values, a single decoded token reads the latent cache directly (the absorbed path,
-    ``W_uk`` folded into the query), so a decode step reads ``kv_lora_rank + rope`` numbers
-    per cached token instead of re-expanding every head's key and value."""
-
-    def forward(
-        self, x: Tensor, state: LatentCache | None = None, return_state: bool = False
-    ) -> Tensor | tuple[Tensor, LatentCache]:
-        absorb = state is not None and x.size(1) == 1
-        return super().forward(x, state, absorb=absorb, return_state=return_state)
-
-
 def make_mixer(config: HybridConfig, kind: str) -> nn.Module:
     if kind == "kda":
         return kda_layer(config)
-    return KimiLinearMLA(config.mla_config())
+    return MultiHeadLatentAttention(config.mla_config())  # absorbed decoding by itself
 
 
 def make_ffn(config: HybridConfig, kind: str) -> nn.Module:
@@ -394,7 +380,8 @@ class KimiHybrid(LanguageModel):
     The backbone's pre-norm blocks (``x + mixer(RMSNorm(x))``, ``x + ffn(RMSNorm(x))``), each
     with its layer's mixer (KDA or MLA) and feed-forward (dense SwiGLU or MoE), no positional
     embedding, a final RMSNorm and an **untied** head. ``model(idx, targets)`` also returns the
-    loss; ``model(idx, cache=model.new_cache(B, max_len))`` decodes (:func:`generate`).
+    loss; ``model(idx, cache=model.new_cache(B, max_len))`` decodes
+    (:func:`~gpt2kimi.kv_cache.generate`).
     """
 
     def __init__(self, config: HybridConfig) -> None:
@@ -541,65 +528,4 @@ def count_params(config: HybridConfig) -> ParamCount:
         embedding=model.embed.weight.numel(),
         head=model.lm_head.weight.numel(),
         by_part=by_part,
-    )
-
-
-# ----------------------------------------------------------------------------------------------
-# decoding
-
-
-@dataclass(frozen=True)
-class CacheBytes:
-    """What a decoding cache holds: bytes that grow with the context, and bytes that do not."""
-
-    growing: int  # the MLA layers' latent caches (c_kv and k_rope), for the tokens seen so far
-    fixed: int  # the KDA layers' memories and convolution tails
-
-    @property
-    def total(self) -> int:
-        return self.growing + self.fixed
-
-
-def cache_bytes(cache: ModelCache) -> CacheBytes:
-    """Split a hybrid's :class:`~gpt2kimi.backbone.ModelCache` into growing and fixed bytes.
-
-    A latent cache counts the tokens it holds (``batch · pos · bytes_per_token``), not the room
-    allocated for later ones; any other state (KDA's) is fixed-size and counts whole.
-    """
-    growing = fixed = 0
-    for layer in cache.layers:
-        state = layer.mixer
-        if isinstance(state, LatentCache):
-            growing += state.batch_size * state.pos * state.bytes_per_token
-        elif state is not None:
-            fixed += state.nbytes
-    return CacheBytes(growing, fixed)
-
-
-@torch.no_grad()
-def generate(
-    model: KimiHybrid,
-    prompt_ids: Tensor,
-    max_new_tokens: int,
-    *,
-    use_cache: bool = True,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    """Append ``max_new_tokens`` tokens to prompt_ids ``[B, T]``: chapter 2's ``generate``.
-
-    With the cache the prompt runs once (KDA in its chunk form, MLA writing its latent cache),
-    then each step runs one token (KDA from its memory and convolution tail, MLA reading its
-    latents). Greedy output
-    (``temperature=0``) is the same with and without the cache.
-    """
-    return _generate(
-        model,
-        prompt_ids,
-        max_new_tokens,
-        use_cache=use_cache,
-        temperature=temperature,
-        top_k=top_k,
-        generator=generator,
     )

@@ -6,17 +6,17 @@ quadratic in N. Causal attention never changes the keys and values of earlier po
 can be computed once and kept. With a cache, each step processes one position: linear in N.
 
 - :class:`LayerKVCache`: one layer's keys and values, pre-allocated as
-  ``[B, n_kv_heads, max_len, head_dim]``, filled from the left; ``pos`` counts the cached tokens.
-- :class:`KVCache`: one :class:`LayerKVCache` per layer, with its size in bytes.
+  ``[B, n_kv_heads, max_len, head_dim]``, filled from the left; ``pos`` counts the cached tokens;
+  ``crop(n)`` rewinds, ``reset()`` empties.
 - :func:`generate`: greedy or sampled generation with or without the cache, for this chapter's
-  GPT-2 and for every model of the later chapters (any model with ``new_cache`` whose forward
-  takes ``cache=``: see the state contract in :mod:`gpt2kimi.backbone`).
+  GPT-2 and for every model of the later chapters: any model with ``new_cache`` whose forward
+  takes ``cache=`` (the backbone's :class:`~gpt2kimi.backbone.ModelCache`, one per model; see the
+  state contract in :mod:`gpt2kimi.backbone`).
 
-The model that uses them, :class:`gpt2kimi.attention.GPT2WithCache` (chapter 1's GPT-2 with
-:class:`~gpt2kimi.attention.SoftmaxAttention`, whose forward accepts a cache), lives with its
-attention: the attention layer builds on this module's caches, and this module imports no
-attention. A plain chapter-1 ``GPT2`` has no cache: convert it first with
-``GPT2WithCache.from_gpt2(model, copy=False)`` (the same weights, shared).
+The model that uses them, :class:`gpt2kimi.attention.GPT2WithCache` (chapter 1's GPT-2 as the
+backbone's :class:`~gpt2kimi.backbone.LanguageModel`, with
+:class:`~gpt2kimi.attention.SoftmaxAttention` as its token mixer), lives with its attention: the
+attention layer builds on this module's cache, and this module imports no attention.
 
 The price: the cache grows by ``2 · layers · n_kv_heads · head_dim`` numbers with every token of
 every sequence (``gpt2kimi.accounting`` computes this for real models).
@@ -25,7 +25,6 @@ every sequence (``gpt2kimi.accounting`` computes this for real models).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from gpt2kimi.gpt2 import sample_next_token
 
@@ -104,86 +103,34 @@ class LayerKVCache:
         self.pos = end
         return self.k[:, :, :end], self.v[:, :, :end]
 
+    @property
+    def batch_size(self) -> int:
+        return self.k.size(0)
+
     def reset(self) -> None:
         """Forget the cached tokens (the buffers stay allocated)."""
         self.pos = 0
 
-
-class KVCache:
-    """One :class:`LayerKVCache` per layer of a model; all layers advance together."""
-
-    def __init__(self, layers: list[LayerKVCache]) -> None:
-        if not layers:
-            raise ValueError("a KV cache needs at least one layer")
-        self.layers = layers
-
-    @classmethod
-    def for_model(
-        cls,
-        model: nn.Module,
-        batch_size: int,
-        max_len: int | None = None,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> KVCache:
-        """An empty cache for ``model`` (a :class:`gpt2kimi.attention.GPT2WithCache`):
-        ``max_len`` defaults to ``block_size``; dtype and device default to those of the model's
-        parameters."""
-        block_size = model.config.block_size
-        max_len = block_size if max_len is None else max_len
-        if max_len > block_size:
-            raise ValueError(
-                f"max_len={max_len} is longer than block_size={block_size}: the model has no "
-                "position embedding beyond it"
-            )
-        weight = model.transformer.wte.weight
-        layers = [
-            LayerKVCache(
-                batch_size,
-                block.attn.n_kv_heads,
-                max_len,
-                block.attn.head_dim,
-                dtype=weight.dtype if dtype is None else dtype,
-                device=weight.device if device is None else device,
-            )
-            for block in model.transformer.h
-        ]
-        return cls(layers)
-
-    @property
-    def pos(self) -> int:
-        """Number of tokens cached so far (the position of the next token)."""
-        return self.layers[0].pos
-
-    @property
-    def max_len(self) -> int:
-        return self.layers[0].max_len
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes allocated by every layer's keys and values."""
-        return sum(layer.nbytes for layer in self.layers)
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes one token of one sequence takes over all layers."""
-        return sum(layer.bytes_per_token for layer in self.layers)
-
-    @property
-    def used_bytes(self) -> int:
-        """Bytes holding cached tokens so far (``pos`` tokens of every sequence)."""
-        return self.bytes_per_token * self.pos * self.layers[0].k.size(0)
-
-    def reset(self) -> None:
-        for layer in self.layers:
-            layer.reset()
+    def crop(self, n: int) -> None:
+        """Keep only the first ``n`` cached tokens (undo decode steps; reuse a prompt)."""
+        if not 0 <= n <= self.pos:
+            raise ValueError(f"can keep 0 … {self.pos} cached tokens, got {n}")
+        self.pos = n
 
 
-def check_generate_args(model: torch.nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int):
+def check_generate_args(
+    model: torch.nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int, use_cache: bool = True
+) -> None:
     """Raise a clear error before :func:`generate` starts: prompts must be ``[B, T]`` with
-    T >= 1, ``max_new_tokens`` >= 0, and the whole sequence must fit the model's learned
-    positions (GPT-2's ``block_size``; a backbone's ``n_positions``, if it has any)."""
+    T >= 1, ``max_new_tokens`` >= 0, the whole sequence must fit the model's learned
+    positions (GPT-2's ``block_size``; a backbone's ``n_positions``, if it has any), and a cache
+    needs a model that makes one (``new_cache``)."""
+    if use_cache and not hasattr(model, "new_cache"):  # chapter 1's GPT2: no cache
+        raise TypeError(
+            f"{type(model).__name__} has no new_cache, so it cannot decode with a cache: use "
+            "gpt2kimi.attention.GPT2WithCache.from_gpt2(model, copy=False) (the same weights, "
+            "attention with a cache), or use_cache=False"
+        )
     if prompt_ids.dim() != 2 or prompt_ids.size(1) < 1:
         raise ValueError(
             f"expected prompt ids of shape [B, T] with T >= 1 (prompts of one length), "
@@ -221,12 +168,12 @@ def generate(
 
     - ``use_cache=False``: every step runs the whole sequence so far through the model, as
       chapter 1 does.
-    - ``use_cache=True``: ``model.new_cache`` holds every layer's memory (a pre-allocated
-      :class:`KVCache` here; later chapters' recurrent states, or a mix), the prompt fills it in
-      one pass, then each step runs one token. A model without ``new_cache`` (chapter 1's plain
-      ``GPT2``) is refused: convert it with ``GPT2WithCache.from_gpt2(model, copy=False)``.
+    - ``use_cache=True``: ``model.new_cache`` holds every layer's memory (pre-allocated KV
+      caches here; later chapters' recurrent states, or a mix), the prompt fills it in one pass,
+      then each step runs one token. A model without ``new_cache`` (chapter 1's plain ``GPT2``)
+      is refused: convert it with ``GPT2WithCache.from_gpt2(model, copy=False)``.
     """
-    check_generate_args(model, prompt_ids, max_new_tokens)
+    check_generate_args(model, prompt_ids, max_new_tokens, use_cache)
     B, T = prompt_ids.shape
     total = T + max_new_tokens
     ids = prompt_ids.new_empty(B, total)
@@ -238,12 +185,6 @@ def generate(
             logits = model(ids[:, :t])[:, -1, :]  # the whole prefix, again
             ids[:, t : t + 1] = sample_next_token(logits, temperature, top_k, generator)
         return ids
-    if not hasattr(model, "new_cache"):  # chapter 1's GPT2: its attention takes no cache
-        raise TypeError(
-            f"{type(model).__name__} has no new_cache, so it cannot decode with a cache: use "
-            "gpt2kimi.attention.GPT2WithCache.from_gpt2(model, copy=False) (the same weights, "
-            "attention with a cache), or use_cache=False"
-        )
     cache = model.new_cache(B, total)
     logits = model(prompt_ids, cache=cache)[:, -1, :]  # prefill: the prompt in one pass
     for t in range(T, total):

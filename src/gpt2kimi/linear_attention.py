@@ -10,12 +10,13 @@ feature maps and its state.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gpt2kimi.backbone import RecurrentState
 from gpt2kimi.ops import chunk_linear_attn
 
 # ----------------------------------------------------------------------------------------------
@@ -39,14 +40,11 @@ def elu1(x: Tensor) -> Tensor:
 FEATURE_MAPS = {"identity": lambda x: x, "elu1": elu1}
 
 
-class LinearAttentionState(NamedTuple):
+@dataclass
+class LinearAttentionState(RecurrentState):
     """What linear attention carries from one piece of a sequence to the next: its memory."""
 
     memory: Tensor  # S: [B, H, K, V] (V + 1 columns with the normaliser z)
-
-    @property
-    def nbytes(self) -> int:
-        return self.memory.nbytes
 
 
 class LinearAttention(nn.Module):

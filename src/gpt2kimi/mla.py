@@ -338,10 +338,11 @@ class MultiHeadLatentAttention(nn.Module):
     """Causal MLA: ``x [B, T, d_model] → [B, T, d_model]``, with ``transformers``' parameters.
 
     ``forward(x)`` runs the whole sequence (expanded keys and values, as in training).
-    ``forward(x, cache)`` appends x's tokens to a :class:`LatentCache` and attends over all
-    cached ones, re-expanding the cache into per-head keys and values; ``absorb=True`` instead
-    reads the latent cache directly (``W_uk`` folded into the query, ``W_uv`` after attention).
-    :meth:`forward_expanded_cache` is the naive decode path with a per-head cache.
+    ``forward(x, cache)`` (the backbone's state contract) appends x's tokens to a
+    :class:`LatentCache` and attends over all cached ones: a prompt over expanded keys and
+    values, a single decoded token over the latents directly (the absorbed path, ``W_uk``
+    folded into the query, ``W_uv`` after attention). :meth:`attend` chooses the path
+    explicitly; :meth:`forward_expanded_cache` is the naive decode path with a per-head cache.
     """
 
     def __init__(self, config: MLAConfig) -> None:
@@ -460,27 +461,36 @@ class MultiHeadLatentAttention(nn.Module):
         return torch.einsum("bhtr,hvr->bhtv", o_latent, W_uv)  # W_uv (Σ_s p_s c_s)
 
     def forward(
-        self,
-        x: Tensor,
-        cache: LatentCache | None = None,
-        *,
-        absorb: bool = False,
-        return_state: bool = False,
+        self, x: Tensor, state: LatentCache | None = None, return_state: bool = False
     ) -> Tensor | tuple[Tensor, LatentCache]:
-        """x [B, T, d] → [B, T, d]; with a cache, x holds the T tokens after the cached ones.
+        """x [B, T, d] → [B, T, d]; with a cache (``state``), x holds the tokens after it.
 
-        ``absorb=False`` expands the latents (all cached ones, with a cache) into per-head keys
-        and values; ``absorb=True`` attends over the latents themselves. ``return_state=True``
-        returns ``(y, cache)``: the cache passed in, or a new one holding exactly these T tokens.
-        (The cache is the layer's state in the backbone's contract, ``forward(x, state,
-        return_state)``; it is updated in place.)
+        Without a cache (training, scoring) the latents are expanded into per-head keys and values.
+        With a :class:`LatentCache` (the layer's state in the backbone's contract, updated in
+        place), a prompt (T > 1) attends over the expanded cache, and a single decoded token reads
+        the latents directly: the absorbed path, ``W_uk`` folded into the query.
+        ``return_state=True`` returns ``(y, cache)``: the cache passed in, or a new one holding
+        exactly these T tokens.
+        """
+        if state is None and return_state:
+            state = self.init_state(x.size(0), x.size(1), dtype=x.dtype, device=x.device)
+        absorb = state is not None and x.size(1) == 1
+        y = self.attend(x, state, absorb=absorb)
+        return (y, state) if return_state else y
+
+    def attend(
+        self, x: Tensor, cache: LatentCache | None = None, *, absorb: bool = False
+    ) -> Tensor:
+        """Append x's latents to ``cache`` (if any) and attend over every cached token: over
+        expanded per-head keys and values, or with ``absorb`` over the latents themselves.
+
+        :meth:`forward` chooses for itself; chapter 6's benchmark calls this directly to time the
+        re-expanded decode step (``absorb=False`` after a cache) against the absorbed one.
         """
         start = 0
         if cache is not None:
             self.check_cache(cache, x)
             start = cache.pos
-        elif return_state:
-            cache = self.init_state(x.size(0), x.size(1), dtype=x.dtype, device=x.device)
         q_nope, q_rope = self.queries(x, start)
         c_kv, k_rope = self.latents(x, start)
         if cache is not None:
@@ -489,8 +499,7 @@ class MultiHeadLatentAttention(nn.Module):
             o = self.attend_absorbed(q_nope, q_rope, c_kv, k_rope)
         else:
             o = self.attend_expanded(q_nope, q_rope, *self.expand(c_kv, k_rope))
-        y = self.output(o)
-        return (y, cache) if return_state else y
+        return self.output(o)
 
     def init_state(
         self,

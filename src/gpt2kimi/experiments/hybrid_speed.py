@@ -19,8 +19,8 @@ from torch import nn
 
 from gpt2kimi.attention import SoftmaxAttention
 from gpt2kimi.backbone import LanguageModel, ModelCache
-from gpt2kimi.hybrid import HybridConfig, KimiHybrid, generate, make_ffn, to_hf_state_dict
-from gpt2kimi.kv_cache import LayerKVCache
+from gpt2kimi.hybrid import HybridConfig, KimiHybrid, make_ffn, to_hf_state_dict
+from gpt2kimi.kv_cache import LayerKVCache, generate
 from gpt2kimi.mla import LatentCache
 from gpt2kimi.timing import fastest_interleaved, timed
 
@@ -78,29 +78,19 @@ def fill_cache(cache: ModelCache, n_tokens: int, generator: torch.Generator) -> 
     cache.pos = n_tokens
 
 
-def rewind(cache: ModelCache, n_tokens: int) -> None:
-    """Forget every token after the first ``n_tokens`` (the decode steps a timing added)."""
-    for layer in cache.layers:
-        state = layer.mixer
-        if isinstance(state, LatentCache):
-            state.crop(n_tokens)
-        elif isinstance(state, LayerKVCache):
-            state.pos = n_tokens
-    cache.pos = n_tokens
-
-
 def decode_timer(
     model: nn.Module, context: int, *, batch: int = 8, steps: int = 8
 ) -> Callable[[], float]:
     """A function that runs ``steps`` greedy decode steps after ``context`` cached tokens and
-    returns the seconds they took (it rewinds the cache first, so it can run again)."""
+    returns the seconds they took. Before the clock starts it empties the cache and fills it
+    again (KDA's memory cannot rewind), so it can run again."""
     cache = model.new_cache(batch, context + steps)
-    fill_cache(cache, context, torch.Generator().manual_seed(0))
     token = torch.zeros(batch, 1, dtype=torch.long)
 
     @torch.no_grad()
     def run() -> float:
-        rewind(cache, context)
+        cache.reset()
+        fill_cache(cache, context, torch.Generator().manual_seed(0))
         start = time.perf_counter()
         nxt = token
         for _ in range(steps):

@@ -92,7 +92,7 @@ def measure(
     """
     if not new_tokens or min(new_tokens) < 1:
         raise ValueError(f"new_tokens must be positive counts, got {new_tokens}")
-    device = model.transformer.wte.weight.device
+    device = model.embed.weight.device
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), generator=generator)
     prompt = prompt.to(device)

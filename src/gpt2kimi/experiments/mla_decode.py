@@ -103,23 +103,26 @@ def decode_step(
     if method in SOFTMAX_METHODS:
         n_kv = kv_heads(method, config.n_head)
         layer = SoftmaxAttention(config.d_model, config.n_head, n_kv, bias=False)
-        kv = LayerKVCache(1, n_kv, context + 1, config.d_model // config.n_head)
-        kv.k.normal_(generator=gen)
-        kv.v.normal_(generator=gen)
+        head_dim = config.d_model // config.n_head
+        kv = LayerKVCache(1, n_kv, context + 1, head_dim)
+        kv.update(*torch.randn(2, 1, n_kv, context, head_dim, generator=gen))
 
         def step() -> torch.Tensor:
-            kv.pos = context
+            kv.crop(context)
             return softmax_decode(layer, x, kv)
 
         return torch.no_grad()(step)
     mla = MultiHeadLatentAttention(config).eval()
     if method == "MLA naive":
         expanded = mla.expanded_cache(1, context + 1)
-        expanded.k.normal_(generator=gen)
-        expanded.v.normal_(generator=gen)
+        H, k_dim, v_dim = config.n_head, config.qk_head_dim, config.v_head_dim
+        expanded.update(
+            torch.randn(1, H, context, k_dim, generator=gen),
+            torch.randn(1, H, context, v_dim, generator=gen),
+        )
 
         def step() -> torch.Tensor:
-            expanded.pos = context
+            expanded.crop(context)
             return mla.forward_expanded_cache(x, expanded)
 
         return torch.no_grad()(step)
@@ -132,7 +135,7 @@ def decode_step(
 
     def step() -> torch.Tensor:
         latent.crop(context)
-        return mla(x, latent, absorb=absorb)
+        return mla.attend(x, latent, absorb=absorb)
 
     return torch.no_grad()(step)
 
