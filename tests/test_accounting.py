@@ -180,15 +180,16 @@ def test_decode_memory_is_cache_plus_fp32_state():
 # total and active parameters of MoE models (chapter 7)
 
 from gpt2kimi.accounting import (  # noqa: E402
-    PARAM_SPECS,
-    KDAShape,
-    MLAShape,
-    MoEShape,
-    ParamSpec,
+    RELEASED_CONFIGS,
+    RELEASED_SOURCES,
     dense_param_count,
+    kda_param_count,
     kimi_k3_routed_params,
+    moe_param_count,
     param_count,
 )
+from gpt2kimi.backbone import count_parameters  # noqa: E402
+from gpt2kimi.configs import HybridConfig, KDAConfig, MLAConfig, MoEConfig  # noqa: E402
 
 
 def _hf_param_count(model_class, config) -> int:
@@ -210,19 +211,26 @@ def test_param_count_equals_transformers_kimi_linear_48b_a3b():
     mla_at = [3, 7, 11, 15, 19, 23, 26]
     config = KimiLinearConfig(layer_types=_kimi_linear_layer_types(27, mla_at))
     assert transformers.__version__ and config.hidden_size == 2304
-    spec = PARAM_SPECS["kimi-linear-48b-a3b"]
-    assert param_count(spec).total == _hf_param_count(KimiLinearForCausalLM, config)
-    assert param_count(spec).total == 49_122_675_072
+    released = RELEASED_CONFIGS["kimi-linear-48b-a3b"]
+    assert param_count(released).total == _hf_param_count(KimiLinearForCausalLM, config)
+    assert param_count(released).total == 49_122_675_072
+    assert HybridConfig.from_hf(config) == released  # the table's config is transformers' own
 
 
 def test_param_count_equals_transformers_deepseek_v3():
     pytest.importorskip("transformers")
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    spec = PARAM_SPECS["deepseek-v3"]
+    released = RELEASED_CONFIGS["deepseek-v3"]
     # transformers' default DeepseekV3Config is DeepSeek-V3's released config
-    assert param_count(spec).total == _hf_param_count(DeepseekV3ForCausalLM, DeepseekV3Config())
-    assert param_count(spec).total == 671_026_404_352
+    hf_config = DeepseekV3Config()
+    assert param_count(released).total == _hf_param_count(DeepseekV3ForCausalLM, hf_config)
+    assert param_count(released).total == 671_026_404_352
+    assert MoEConfig.from_hf(hf_config) == released.moe
+    # the table's MLA widths are the config's (the checkpoint's RoPE layout aside)
+    assert dataclasses.replace(MLAConfig.from_hf(hf_config), rope_interleave=False) == (
+        released.mla
+    )
 
 
 @pytest.mark.parametrize("q_lora_rank", [None, 24])
@@ -236,9 +244,9 @@ def test_param_count_formulas_equal_tiny_transformers_models(q_lora_rank):
     )
 
     small = dict(vocab_size=100, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=32)
-    mla = MLAShape(n_head=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
-                   v_head_dim=6, q_lora_rank=q_lora_rank)  # fmt: skip
-    moe = MoEShape(n_experts=6, top_k=2, expert_hidden=10, n_shared=2)
+    mla = MLAConfig(d_model=32, n_head=4, kv_lora_rank=16, qk_nope_head_dim=8,
+                    qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=q_lora_rank)  # fmt: skip
+    moe = MoEConfig(d_model=32, n_experts=6, top_k=2, expert_hidden=10, n_shared_experts=2)
     deepseek = DeepseekV3Config(
         **small, num_hidden_layers=3, first_k_dense_replace=1, intermediate_size=48,
         num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=q_lora_rank,
@@ -246,9 +254,9 @@ def test_param_count_formulas_equal_tiny_transformers_models(q_lora_rank):
         num_experts_per_tok=2, moe_intermediate_size=10, n_shared_experts=2, n_group=1,
         topk_group=1,
     )  # fmt: skip
-    spec = ParamSpec("tiny", 100, 32, n_mla_layers=3, mla=mla, n_dense_layers=1,
-                     dense_hidden=48, n_moe_layers=2, moe=moe)  # fmt: skip
-    assert param_count(spec).total == _hf_param_count(DeepseekV3ForCausalLM, deepseek)
+    config = HybridConfig(100, 32, mixers=("mla",) * 3, ffns=("dense", "moe", "moe"), mla=mla,
+                          moe=moe, dense_hidden=48)  # fmt: skip
+    assert param_count(config).total == _hf_param_count(DeepseekV3ForCausalLM, deepseek)
 
     kimi = KimiLinearConfig(
         **small, num_hidden_layers=4, layer_types=_kimi_linear_layer_types(4, [2]),
@@ -258,10 +266,29 @@ def test_param_count_formulas_equal_tiny_transformers_models(q_lora_rank):
         num_experts_per_tok=2, moe_intermediate_size=10, n_shared_experts=2,
         linear_num_heads=3, linear_head_dim=8, linear_conv_kernel_dim=3,
     )  # fmt: skip
-    spec = ParamSpec("tiny", 100, 32, n_mla_layers=1, mla=mla, n_kda_layers=3,
-                     kda=KDAShape(n_head=3, head_dim=8, conv_kernel=3), n_dense_layers=1,
-                     dense_hidden=48, n_moe_layers=3, moe=moe)  # fmt: skip
-    assert param_count(spec).total == _hf_param_count(KimiLinearForCausalLM, kimi)
+    config = HybridConfig(
+        100, 32, mixers=("kda", "kda", "mla", "kda"), ffns=("dense", "moe", "moe", "moe"),
+        kda=KDAConfig(n_head=3, head_dim=8, conv_size=3, output_gate_bias=False),
+        mla=dataclasses.replace(mla, rope=False), dense_hidden=48,
+        moe=dataclasses.replace(moe, routed_scaling_factor=2.446),  # transformers' default
+    )  # fmt: skip
+    assert param_count(config).total == _hf_param_count(KimiLinearForCausalLM, kimi)
+    assert HybridConfig.from_hf(kimi) == config  # the same config, read by from_hf
+
+
+@pytest.mark.parametrize("output_gate_bias", [True, False])
+def test_layer_formulas_equal_the_built_layers(output_gate_bias):
+    """KDA (chapter 5's layer with its output-gate bias, Kimi Linear's without) and MoE."""
+    from gpt2kimi.kda import KimiDeltaAttention
+    from gpt2kimi.moe import MoE
+
+    kda = KDAConfig(n_head=3, head_dim=8, conv_size=3, output_gate_bias=output_gate_bias)
+    layer = KimiDeltaAttention.from_config(40, kda)
+    assert count_parameters(layer) == kda_param_count(kda, 40)
+    moe = MoEConfig(d_model=16, n_experts=6, top_k=2, expert_hidden=10, n_shared_experts=2)
+    counts = moe_param_count(moe)
+    assert count_parameters(MoE(moe)) == counts.total
+    assert counts.active == counts.total - 4 * 3 * 16 * 10  # the 4 experts a token skips
 
 
 # (key, published total, published active, relative tolerance): the published figures are
@@ -278,22 +305,23 @@ PUBLISHED = [
 
 @pytest.mark.parametrize("key,total,active,tolerance", PUBLISHED)
 def test_computed_totals_match_the_published_ones(key, total, active, tolerance):
-    counts = param_count(PARAM_SPECS[key])
+    counts = param_count(RELEASED_CONFIGS[key], MODELS[key].name)
     assert counts.total == pytest.approx(total, rel=tolerance)
     assert counts.active == pytest.approx(active, rel=tolerance)
     assert MODELS[key].total_params == total and MODELS[key].active_params == active
+    assert counts.name == MODELS[key].name and "config.json" in RELEASED_SOURCES[key]
 
 
 def test_exact_computed_counts():
-    exact = {key: (param_count(spec).total, param_count(spec).active)
-             for key, spec in PARAM_SPECS.items()}  # fmt: skip
+    exact = {key: (param_count(config).total, param_count(config).active)
+             for key, config in RELEASED_CONFIGS.items()}  # fmt: skip
     assert exact == {
         "deepseek-v3": (671_026_404_352, 36_625_603_584),
         "kimi-k2": (1_026_408_209_408, 31_687_072_768),
         "kimi-linear-48b-a3b": (49_122_675_072, 3_106_965_888),
     }
     # DeepSeek's report: 36.6B activated, 0.9B of them the output head
-    head = param_count(PARAM_SPECS["deepseek-v3"]).head
+    head = param_count(RELEASED_CONFIGS["deepseek-v3"]).head
     assert round(head / 1e9, 1) == 0.9
 
 
@@ -310,9 +338,20 @@ def test_gpt2_is_dense_and_kimi_k3_routed_experts_are_most_of_its_total():
     assert routed_active / k3.active_params < 0.5  # but less than half of what a token uses
 
 
-def test_param_spec_rejects_inconsistent_layers():
-    spec = PARAM_SPECS["deepseek-v3"]
-    with pytest.raises(ValueError, match="attention layers but"):
-        dataclasses.replace(spec, n_moe_layers=57)
-    with pytest.raises(ValueError, match="needs a KDAShape"):
-        dataclasses.replace(spec, n_kda_layers=1, n_moe_layers=59)
+def test_a_hybrid_config_gives_the_cache_table_row():
+    """ModelConfig.from_hybrid: the released Kimi Linear config gives the cache and state bytes of
+    the table's row, and the book's tiny hybrid the bytes its own config states."""
+    row = MODELS["kimi-linear-48b-a3b"]
+    cfg = ModelConfig.from_hybrid(row.name, RELEASED_CONFIGS["kimi-linear-48b-a3b"])
+    assert cfg.kind == row.kind == "20 KDA + 7 MLA"
+    for formula in (kv_cache_bytes_per_token, recurrent_state_bytes, mla_expanded_bytes_per_token):
+        assert formula(cfg) == formula(row)
+    assert (cfg.n_experts, cfg.n_active_experts, cfg.n_shared_experts) == (256, 8, 1)
+    tiny = HybridConfig(64, 32, ("kda", "mla"), ("dense", "moe"),
+                        kda=KDAConfig(2, 8), mla=MLAConfig(32, 2, 16, 8, 4, 8, rope=False),
+                        moe=MoEConfig(32, 4, 2, 8))  # fmt: skip
+    assert kv_cache_bytes_per_token(ModelConfig.from_hybrid("tiny", tiny), 4) == (
+        tiny.cache_bytes_per_token(4)
+    )
+    all_kda = ModelConfig.from_hybrid("all KDA", tiny.replace(mixers=("kda", "kda"), mla=None))
+    assert kv_cache_bytes_per_token(all_kda) == 0 and all_kda.kind == "2 KDA + 0 MLA"

@@ -1,62 +1,20 @@
-"""The Kimi Linear hybrid: both config forms, equal to transformers' KimiLinearForCausalLM
-(logits and greedy generation), cached decoding, parameter counts of the 48B model, bad
-checkpoints."""
+"""The Kimi Linear hybrid: equal to transformers' KimiLinearForCausalLM (logits and greedy
+generation), cached decoding, parameter counts of the 48B model, bad checkpoints. (Its config,
+both forms of it, is tested in test_configs.)"""
 
 import pytest
 import torch
+from test_configs import KIMI_LINEAR_48B, tiny_config
 
+from gpt2kimi.accounting import param_count
+from gpt2kimi.backbone import count_parameters
+from gpt2kimi.configs import HybridConfig
 from gpt2kimi.gpt2 import CheckpointError
-from gpt2kimi.hybrid import (
-    HybridConfig,
-    KimiHybrid,
-    count_params,
-    hf_to_local,
-    kda_layer,
-)
+from gpt2kimi.hybrid import KimiHybrid, hf_to_local
+from gpt2kimi.kda import KimiDeltaAttention
 from gpt2kimi.kv_cache import generate
 
 transformers = pytest.importorskip("transformers")
-
-# Kimi-Linear-48B-A3B in the released config.json form: linear_attn_config with 1-indexed layer
-# numbers and first_k_dense_replace (numbers from the model's published configuration).
-MLA_LAYERS_1_INDEXED = [4, 8, 12, 16, 20, 24, 27]
-KIMI_LINEAR_48B = {
-    "architectures": ["KimiLinearForCausalLM"],
-    "model_type": "kimi_linear",
-    "vocab_size": 163840,
-    "hidden_size": 2304,
-    "intermediate_size": 9216,
-    "moe_intermediate_size": 1024,
-    "num_hidden_layers": 27,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 32,
-    "kv_lora_rank": 512,
-    "q_lora_rank": None,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "num_experts": 256,
-    "num_experts_per_token": 8,
-    "num_shared_experts": 1,
-    "num_expert_group": 1,
-    "topk_group": 1,
-    "moe_renormalize": True,
-    "routed_scaling_factor": 2.446,
-    "first_k_dense_replace": 1,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-    "linear_attn_config": {
-        "head_dim": 128,
-        "num_heads": 32,
-        "short_conv_kernel_size": 4,
-        "kda_layers": [i for i in range(1, 28) if i not in MLA_LAYERS_1_INDEXED],
-        "full_attn_layers": MLA_LAYERS_1_INDEXED,
-    },
-    "pad_token_id": 163839,
-    "bos_token_id": 163584,
-    "eos_token_id": 163586,
-}
 
 # Exact counts of the 48B model built from that config (the paper and model card say "48B total,
 # 3B active"): every parameter, and those one token uses (8 of 256 routed experts per layer),
@@ -64,32 +22,6 @@ KIMI_LINEAR_48B = {
 TOTAL_48B = 49_122_675_072
 ACTIVE_48B = 3_106_965_888
 EMBEDDING_48B = 163_840 * 2304
-
-
-def tiny_config(**overrides) -> HybridConfig:
-    """Four layers (KDA, MLA, KDA, MLA), dense first, grouped routing: every option at once."""
-    base = dict(
-        vocab_size=64,
-        d_model=32,
-        mixers=("kda", "mla", "kda", "mla"),
-        ffns=("dense", "moe", "moe", "moe"),
-        kda_heads=3,
-        kda_head_dim=8,
-        mla_heads=2,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=6,
-        dense_hidden=48,
-        n_experts=8,
-        top_k=2,
-        expert_hidden=16,
-        n_shared_experts=1,
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-    )
-    return HybridConfig(**{**base, **overrides})
 
 
 def kimi_linear(config: HybridConfig, seed: int = 0):
@@ -113,89 +45,60 @@ def kimi_linear(config: HybridConfig, seed: int = 0):
 
 
 # ----------------------------------------------------------------------------------------------
-# configuration
-
-
-def test_config_from_to_dict_form():
-    config = tiny_config()
-    hf_config, _ = kimi_linear(config)
-    d = hf_config.to_dict()
-    assert "layer_types" in d and "linear_attn_config" not in d
-    assert HybridConfig.from_hf(d) == config
-    assert HybridConfig.from_hf(hf_config) == config  # the config object itself
-
-
-def test_config_from_released_form():
-    config = HybridConfig.from_hf(KIMI_LINEAR_48B)
-    assert config.n_layer == 27 and (config.n_kda, config.n_mla) == (20, 7)
-    assert [i + 1 for i, m in enumerate(config.mixers) if m == "mla"] == MLA_LAYERS_1_INDEXED
-    assert config.ffns == ("dense",) + ("moe",) * 26
-    assert (config.kda_heads, config.kda_head_dim, config.conv_size) == (32, 128, 4)
-    assert (config.n_experts, config.top_k, config.n_shared_experts) == (256, 8, 1)
-    assert config.q_lora_rank is None and config.routed_scaling_factor == 2.446
-
-
-def test_both_forms_agree_through_transformers():
-    """transformers reads the released form into its own layer_types; we read both the same."""
-    from transformers import KimiLinearConfig
-
-    released = {k: v for k, v in KIMI_LINEAR_48B.items() if k not in ("architectures",)}
-    to_dict_form = KimiLinearConfig(**released).to_dict()
-    assert HybridConfig.from_hf(to_dict_form) == HybridConfig.from_hf(KIMI_LINEAR_48B)
-
-
-@pytest.mark.parametrize(
-    "change, message",
-    [
-        ({"full_attn_layers": [4, 8, 12, 16, 20, 24, 28]}, "1-indexed"),
-        ({"full_attn_layers": [3, 4, 8, 12, 16, 20, 24, 27]}, "listed twice"),
-        ({"full_attn_layers": [4, 8, 12, 16, 20, 24]}, "no type to layers [27]"),
-    ],
-)
-def test_config_layer_numbers_are_checked(change, message):
-    bad = {**KIMI_LINEAR_48B, "linear_attn_config": {**KIMI_LINEAR_48B["linear_attn_config"],
-                                                     **change}}
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        HybridConfig.from_hf(bad)
-
-
-def test_config_errors_name_the_problem():
-    with pytest.raises(ValueError, match="untied head"):
-        HybridConfig.from_hf({**KIMI_LINEAR_48B, "tie_word_embeddings": True})
-    with pytest.raises(ValueError, match="no kv_lora_rank"):
-        HybridConfig.from_hf({k: v for k, v in KIMI_LINEAR_48B.items() if k != "kv_lora_rank"})
-    with pytest.raises(ValueError, match="layer 1: mixer"):
-        tiny_config(mixers=("kda", "gdn", "kda", "mla"))
-    with pytest.raises(ValueError, match="4 mixer types but 3"):
-        tiny_config(ffns=("dense", "moe", "moe"))
-    with pytest.raises(ValueError, match="top_k"):
-        tiny_config(top_k=9)
-
-
-# ----------------------------------------------------------------------------------------------
 # parameters
+
+
+def count_by_part(model: KimiHybrid) -> dict[str, int]:
+    """The built model's parameters by part (kda / mla / dense / moe / norms), and those of the
+    routed experts a token does not use (``n_experts − top_k`` per MoE layer)."""
+    config = model.hybrid_config
+    parts = dict.fromkeys(("kda", "mla", "dense", "moe", "norms"), 0)
+    inactive = 0
+    for block, mixer, ffn in zip(model.blocks, config.mixers, config.ffns, strict=True):
+        parts[mixer] += count_parameters(block.mixer)
+        parts[ffn] += count_parameters(block.ffn)
+        parts["norms"] += block.norm_1.weight.numel() + block.norm_2.weight.numel()
+        if ffn == "moe":
+            per_expert = sum(p[0].numel() for p in block.ffn.experts.parameters())
+            inactive += (config.moe.n_experts - config.moe.top_k) * per_expert
+    parts["norms"] += model.norm_f.weight.numel()
+    return parts | {"inactive": inactive}
 
 
 def test_48b_parameter_count_on_meta():
     """Built on the meta device from the released config: 49,122,675,072 parameters (the
     published "48B"), 3,106,965,888 of them used per token (the published "3B"; 3,484,453,248
-    with the input embedding), as chapter 7's accounting counts from the config, and as many
-    in all as transformers' own model has."""
+    with the input embedding), as chapter 7's accounting counts from the config, part by part,
+    and as many in all as transformers' own model has."""
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
-    from gpt2kimi.accounting import PARAM_SPECS, param_count
-
-    counts = count_params(HybridConfig.from_hf(KIMI_LINEAR_48B))
+    config = HybridConfig.from_hf(KIMI_LINEAR_48B)
+    counts = param_count(config)
     assert (counts.total, counts.active) == (TOTAL_48B, ACTIVE_48B)
     assert counts.embedding == EMBEDDING_48B
     assert counts.active_with_embedding == 3_484_453_248
-    accounted = param_count(PARAM_SPECS["kimi-linear-48b-a3b"])
-    assert (accounted.total, accounted.active) == (TOTAL_48B, ACTIVE_48B)
     assert sum(counts.by_part.values()) + counts.embedding + counts.head == counts.total
+    with torch.device("meta"):
+        model = KimiHybrid(config)
+    built = count_by_part(model)
+    assert count_parameters(model) == TOTAL_48B
+    assert TOTAL_48B - built.pop("inactive") - model.embed.weight.numel() == ACTIVE_48B
+    assert built == counts.by_part
+    assert model.lm_head.weight.numel() == counts.head
     released = {k: v for k, v in KIMI_LINEAR_48B.items() if k != "architectures"}
     with torch.device("meta"):
         hf = KimiLinearForCausalLM(KimiLinearConfig(**released))
     assert sum(p.numel() for p in hf.parameters()) == TOTAL_48B
+
+
+@pytest.mark.parametrize("changes", [{}, {"mla": {"q_lora_rank": 12}}, {"ffns": ("moe",) * 4}])
+def test_parameter_count_equals_the_built_model(changes):
+    config = tiny_config(**changes)
+    model = KimiHybrid(config)
+    counts, built = param_count(config), count_by_part(model)
+    assert count_parameters(model) == counts.total
+    assert counts.total - built.pop("inactive") - model.embed.weight.numel() == counts.active
+    assert built == counts.by_part
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,8 +109,8 @@ def test_48b_parameter_count_on_meta():
     "overrides, B, T",
     [
         ({}, 2, 70),  # T odd, across transformers' 64-token chunks and ours
-        ({"q_lora_rank": 12}, 2, 37),  # the low-rank query path
-        ({"chunk_size": 16}, 1, 41),  # our chunks of 16 against transformers' 64
+        ({"mla": {"q_lora_rank": 12}}, 2, 37),  # the low-rank query path
+        ({"kda": {"chunk_size": 16}}, 1, 41),  # our chunks of 16 against transformers' 64
     ],
 )
 def test_logits_equal_transformers(overrides, B, T):
@@ -222,7 +125,7 @@ def test_logits_equal_transformers(overrides, B, T):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_kda_layer_loads_transformers_weights_as_is():
+def test_kda_from_config_loads_transformers_weights_as_is():
     """KimiLinearDeltaAttention's state dict loads into the KDA layer without renaming; the
     outputs agree, and a prompt then single tokens, state passed on, equals one call."""
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
@@ -231,7 +134,7 @@ def test_kda_layer_loads_transformers_weights_as_is():
     hf_config, hf = kimi_linear(config)
     hf_layer = hf.model.layers[0].self_attn
     assert isinstance(hf_layer, KimiLinearDeltaAttention)
-    layer = kda_layer(config)
+    layer = KimiDeltaAttention.from_config(config.d_model, config.kda)
     layer.load_state_dict(hf_layer.state_dict())
     x = torch.randn(2, 19, 32)
     with torch.no_grad():

@@ -12,7 +12,8 @@ The folders show the layers, and imports point one way (import-linter contracts 
   ``hybrid``): each may import earlier chapters, the operators and support, never a later one;
 - ``gpt2kimi.ops``: the linear-memory operators, named and ordered as fla names them;
 - support modules (``data``, ``train``, ``plotting``, ``show``, ``progress``, ``accounting``,
-  ``backbone``, ``timing``): import no chapter, and no cycle among them.
+  ``backbone``, ``configs``, ``timing``): import no chapter, and no cycle among them
+  (``configs``: one config dataclass per layer type, and chapter 8's, which nests them).
 """
 
 __version__ = "0.1.0"

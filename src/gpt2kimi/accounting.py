@@ -13,6 +13,12 @@ The formulas:
 Only layers with softmax attention (or MLA) have a KV cache; in a hybrid the others carry the
 fixed state. Unknown values are ``None``; a formula that needs one raises a clear error.
 
+Parameters, total and active (chapter 7), are counted from the layers' configs in
+:mod:`gpt2kimi.configs`: :func:`param_count` of a :class:`~gpt2kimi.configs.HybridConfig` (the
+released models in :data:`RELEASED_CONFIGS`), one formula per layer type. :class:`ModelConfig`,
+the type of :data:`MODELS`, is built from a GPT-2 config (:meth:`ModelConfig.from_gpt2`) or a
+hybrid's (:meth:`ModelConfig.from_hybrid`).
+
 GPT-2's sizes (:data:`PRESETS`) and its parameter formula (:func:`gpt2_param_count`) live here
 too: chapter 1's :mod:`gpt2kimi.gpt2` reads them. A support module: it imports no chapter, and
 takes the chapters' configs by their fields.
@@ -22,7 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
-from typing import Protocol
+from typing import Any, Protocol
+
+from gpt2kimi.configs import HybridConfig, KDAConfig, MLAConfig, MoEConfig
 
 # GPT-2's four released sizes (Radford et al. 2019), read by chapter 1's GPT2Config.from_name.
 PRESETS = {
@@ -141,6 +149,32 @@ class ModelConfig:
             total_params=params,
             active_params=params,
             source=source,
+        )
+
+
+    @classmethod
+    def from_hybrid(cls, name: str, config: HybridConfig, **kwargs: Any) -> ModelConfig:
+        """The config of a hybrid (chapter 8): its MLA layers cache, its KDA layers keep a fixed
+        ``heads × head_dim × head_dim`` state. ``kwargs``: the other fields (``source``, ...)."""
+        mla, kda, moe = config.mla, config.kda, config.moe
+        return cls(
+            name=name,
+            n_layer=config.n_layer,
+            d_model=config.d_model,
+            attention="mla",
+            n_head=mla.n_head if mla else None,
+            head_dim=mla.v_head_dim if mla else None,
+            kv_lora_rank=mla.kv_lora_rank if mla else 0,  # no MLA layer: nothing cached
+            rope_dim=mla.qk_rope_head_dim if mla else 0,
+            n_attn_layers=config.n_mla,
+            n_linear_layers=config.n_kda,
+            linear_heads=kda.n_head if config.n_kda else None,
+            linear_key_dim=kda.head_dim if config.n_kda else None,
+            linear_value_dim=kda.head_dim if config.n_kda else None,
+            n_experts=moe.n_experts if "moe" in config.ffns else None,
+            n_active_experts=moe.top_k if "moe" in config.ffns else None,
+            n_shared_experts=moe.n_shared_experts if "moe" in config.ffns else None,
+            **kwargs,
         )
 
 
@@ -389,6 +423,11 @@ def decode_memory_bytes(
 # when it is a separate matrix (a token only reads its own row; DeepSeek-V3's report counts that
 # table in the total but not among the activated parameters). A tied table is the output head, so
 # GPT-2's counts as active: for a dense model active = total.
+#
+# One formula per layer type, each reading that layer's config from gpt2kimi.configs: MLA's is
+# MLAConfig.param_count (MLAConfig.for_width solves it for the widest latent in a budget, so it
+# lives on the config), KDA's is kda_param_count, MoE's moe_param_count; param_count sums them
+# over a HybridConfig's layers.
 
 
 def swiglu_param_count(d_model: int, hidden: int) -> int:
@@ -396,119 +435,38 @@ def swiglu_param_count(d_model: int, hidden: int) -> int:
     return 3 * d_model * hidden
 
 
-@dataclass(frozen=True)
-class MLAShape:
-    """Multi-head Latent Attention's widths (``transformers``' DeepSeek-V3 / Kimi names)."""
-
-    n_head: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    q_lora_rank: int | None = None  # None: one q_proj, no low-rank query path
-
-    def param_count(self, d_model: int) -> int:
-        """q path, ``kv_a_proj_with_mqa`` + its norm, ``kv_b_proj``, ``o_proj`` (no biases)."""
-        H, qk = self.n_head, self.qk_nope_head_dim + self.qk_rope_head_dim
-        if self.q_lora_rank is None:
-            q = d_model * H * qk
-        else:  # q_a_proj, q_a_layernorm, q_b_proj
-            q = d_model * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * H * qk
-        kv_a = d_model * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
-        kv_b = self.kv_lora_rank * H * (self.qk_nope_head_dim + self.v_head_dim)
-        return q + kv_a + kv_b + H * self.v_head_dim * d_model
-
-
-@dataclass(frozen=True)
-class KDAShape:
-    """Kimi Delta Attention's widths (``transformers``' Kimi Linear layout)."""
-
-    n_head: int
-    head_dim: int
-    conv_kernel: int = 4
-
-    def param_count(self, d_model: int) -> int:
-        """q, k, v, their depthwise conv, forget gate (low rank + dt_bias + A_log), beta, output
-        gate (low rank), output norm and o_proj."""
-        H, D = self.n_head, self.head_dim
-        qkv = 3 * d_model * H * D + 3 * H * D * self.conv_kernel
-        forget_gate = d_model * D + D * H * D + H * D + H
-        beta = d_model * H
-        output_gate = d_model * D + D * H * D + D
-        return qkv + forget_gate + beta + output_gate + H * D * d_model
-
-
-@dataclass(frozen=True)
-class MoEShape:
-    """One MoE layer: ``n_experts`` routed SwiGLU experts of width ``expert_hidden``, ``top_k``
-    per token, ``n_shared`` always on. ``latent``: Kimi K3's latent MoE, whose routed experts
-    run in a narrower space (the down/up projections around them are not counted here)."""
-
-    n_experts: int
-    top_k: int
-    expert_hidden: int
-    n_shared: int = 0
-    latent: int | None = None
-
-    def param_counts(self, d_model: int) -> dict[str, int]:
-        """Router, all routed experts, the routed experts one token uses, shared experts."""
-        width = d_model if self.latent is None else self.latent
-        expert = swiglu_param_count(width, self.expert_hidden)
-        return {
-            "router": self.n_experts * d_model,
-            "routed": self.n_experts * expert,
-            "routed_active": self.top_k * expert,
-            "shared": self.n_shared * swiglu_param_count(d_model, self.expert_hidden),
-        }
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """What the parameters of a decoder with MLA / KDA attention and MoE layers depend on."""
-
-    name: str
-    vocab_size: int
-    d_model: int
-    n_mla_layers: int
-    mla: MLAShape
-    n_dense_layers: int  # leading layers with a dense SwiGLU (DeepSeek's first_k_dense_replace)
-    dense_hidden: int
-    n_moe_layers: int
-    moe: MoEShape
-    n_kda_layers: int = 0
-    kda: KDAShape | None = None
-    tied_embeddings: bool = False
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        attention = self.n_mla_layers + self.n_kda_layers
-        if attention != self.n_dense_layers + self.n_moe_layers:
-            raise ValueError(
-                f"{self.name}: {attention} attention layers but {self.n_dense_layers} dense + "
-                f"{self.n_moe_layers} MoE feed-forward layers"
-            )
-        if self.n_kda_layers and self.kda is None:
-            raise ValueError(f"{self.name}: n_kda_layers={self.n_kda_layers} needs a KDAShape")
-
-    @property
-    def n_layer(self) -> int:
-        return self.n_mla_layers + self.n_kda_layers
+def kda_param_count(config: KDAConfig, d_model: int) -> int:
+    """Parameters of one KDA layer (``transformers``' Kimi Linear layout, ``H`` heads of ``D``):
+    q, k, v ``[d → H·D]`` and their depthwise convolution, the forget gate (low rank ``d → D →
+    H·D``, ``dt_bias`` per channel, ``A_log`` per head), β ``[d → H]``, the output gate (low rank,
+    with a bias in chapter 5's layer), the output norm ``[D]`` and ``o_proj`` ``[H·D → d]``."""
+    H, D = config.n_head, config.head_dim
+    qkv = 3 * d_model * H * D + 3 * H * D * config.conv_size
+    forget_gate = d_model * D + D * H * D + H * D + H
+    beta = d_model * H
+    output_gate = d_model * D + D * H * D + (H * D if config.output_gate_bias else 0) + D
+    return qkv + forget_gate + beta + output_gate + H * D * d_model
 
 
 @dataclass(frozen=True)
 class ParamCount:
-    """Parameters by part. ``total`` and ``active`` follow the convention stated above."""
+    """Parameters by part. ``total`` and ``active`` follow the convention stated above.
 
-    name: str
-    embedding: int  # input table (0 when tied to the head)
-    head: int
-    attention: int
-    norms: int
-    dense_ffn: int
-    router: int
-    routed: int
-    routed_active: int
-    shared: int
+    The count of a model (:func:`param_count`) or of one MoE layer (:func:`moe_param_count`,
+    whose other parts are 0).
+    """
+
+    name: str = ""
+    embedding: int = 0  # input table (0 when tied to the head)
+    head: int = 0
+    kda: int = 0  # Kimi Delta Attention layers
+    mla: int = 0  # Multi-head Latent Attention layers
+    norms: int = 0  # the blocks' and the final norm (the layers' own norms are in their parts)
+    dense_ffn: int = 0
+    router: int = 0
+    routed: int = 0  # every routed expert
+    routed_active: int = 0  # the k routed experts one token uses
+    shared: int = 0
 
     @property
     def total(self) -> int:
@@ -527,91 +485,135 @@ class ParamCount:
     def active(self) -> int:
         return self.total - self.embedding - (self.routed - self.routed_active)
 
+    @property
+    def attention(self) -> int:
+        """The token mixers' parameters: the KDA and MLA layers."""
+        return self.kda + self.mla
 
-def param_count(spec: ParamSpec) -> ParamCount:
-    """Total and active parameters of ``spec``, part by part (norms: two per layer, one final)."""
-    d = spec.d_model
-    attention = spec.n_mla_layers * spec.mla.param_count(d)
-    if spec.kda is not None:
-        attention += spec.n_kda_layers * spec.kda.param_count(d)
-    moe = {k: spec.n_moe_layers * v for k, v in spec.moe.param_counts(d).items()}
-    table = spec.vocab_size * d
+    @property
+    def active_with_embedding(self) -> int:
+        """``active`` plus the input table (a token reads one row of it: the convention of
+        counts that compare with GPT-2, whose table is its head)."""
+        return self.active + self.embedding
+
+    @property
+    def by_part(self) -> dict[str, int]:
+        """The layers' parameters by kind: ``kda``, ``mla``, ``dense``, ``moe`` (router, every
+        expert, shared experts) and ``norms``; with ``embedding`` and ``head`` they sum to
+        ``total``."""
+        moe = self.router + self.routed + self.shared
+        return dict(kda=self.kda, mla=self.mla, dense=self.dense_ffn, moe=moe, norms=self.norms)
+
+
+def moe_param_count(config: MoEConfig) -> ParamCount:
+    """One MoE layer: the router ``[E, d]``, ``E`` routed SwiGLU experts of width
+    ``expert_hidden`` (``top_k`` of them per token), and the shared experts."""
+    expert = swiglu_param_count(config.d_model, config.expert_hidden)
     return ParamCount(
-        name=spec.name,
-        embedding=0 if spec.tied_embeddings else table,
+        router=config.n_experts * config.d_model,
+        routed=config.n_experts * expert,
+        routed_active=config.top_k * expert,
+        shared=config.n_shared_experts * expert,
+    )
+
+
+def param_count(config: HybridConfig, name: str = "") -> ParamCount:
+    """Total and active parameters of a model, part by part, from its config alone.
+
+    Per layer its mixer (:func:`kda_param_count` or ``MLAConfig.param_count``), its feed-forward
+    (a dense SwiGLU or :func:`moe_param_count`) and two RMSNorms; a final RMSNorm, the input
+    table and the untied head. Equal to the parameters of
+    :class:`gpt2kimi.hybrid.KimiHybrid` and of ``transformers``' Kimi Linear and DeepSeek-V3
+    models built from the same config.
+    """
+    d = config.d_model
+    moe = moe_param_count(config.moe) if config.moe is not None else ParamCount()
+    n_moe = config.ffns.count("moe")
+    table = config.vocab_size * d
+    return ParamCount(
+        name=name,
+        embedding=table,
         head=table,
-        attention=attention,
-        norms=(2 * spec.n_layer + 1) * d,
-        dense_ffn=spec.n_dense_layers * swiglu_param_count(d, spec.dense_hidden),
-        **moe,
+        kda=config.n_kda * kda_param_count(config.kda, d) if config.n_kda else 0,
+        mla=config.n_mla * config.mla.param_count if config.n_mla else 0,
+        norms=(2 * config.n_layer + 1) * d,
+        dense_ffn=config.ffns.count("dense") * swiglu_param_count(d, config.dense_hidden),
+        router=n_moe * moe.router,
+        routed=n_moe * moe.routed,
+        routed_active=n_moe * moe.routed_active,
+        shared=n_moe * moe.shared,
     )
 
 
 def dense_param_count(name: str, total: int) -> ParamCount:
     """A dense model known by its total (GPT-2: every parameter is active)."""
-    return ParamCount(name, 0, total, 0, 0, 0, 0, 0, 0, 0)
+    return ParamCount(name, head=total)
 
 
-_DSV3_MLA = MLAShape(
-    n_head=128, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-    q_lora_rank=1536,
-)  # fmt: skip
+def _released(n_layer: int, n_dense: int, **fields: Any) -> HybridConfig:
+    """A released model's config: MLA in every layer unless ``mixers`` says otherwise, the first
+    ``n_dense`` feed-forwards dense and the rest MoE."""
+    return HybridConfig(
+        mixers=fields.pop("mixers", ("mla",) * n_layer),
+        ffns=("dense",) * n_dense + ("moe",) * (n_layer - n_dense),
+        **fields,
+    )
 
-# Configs of the released checkpoints (config.json on the Hugging Face hub), cited in chapter 7.
-PARAM_SPECS: dict[str, ParamSpec] = {
-    "deepseek-v3": ParamSpec(
-        name="DeepSeek-V3",
-        vocab_size=129_280,
-        d_model=7168,
-        n_mla_layers=61,
-        mla=_DSV3_MLA,
-        n_dense_layers=3,
-        dense_hidden=18_432,
-        n_moe_layers=58,
-        moe=MoEShape(n_experts=256, top_k=8, expert_hidden=2048, n_shared=1),
-        source="deepseek-ai/DeepSeek-V3 config.json; DeepSeek-AI 2024 (arXiv:2412.19437)",
+
+def _deepseek_mla(d_model: int, n_head: int) -> MLAConfig:
+    """DeepSeek-V3's MLA widths (Kimi K2 keeps them with half the heads)."""
+    return MLAConfig(
+        d_model=d_model, n_head=n_head, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=1536,
+    )  # fmt: skip
+
+
+# Configs of the released checkpoints (config.json on the Hugging Face hub), cited in chapter 7;
+# their names are those of MODELS.
+RELEASED_CONFIGS: dict[str, HybridConfig] = {
+    "deepseek-v3": _released(
+        n_layer=61, n_dense=3,
+        vocab_size=129_280, d_model=7168, dense_hidden=18_432,
+        mla=_deepseek_mla(7168, 128),
+        moe=MoEConfig(7168, n_experts=256, top_k=8, expert_hidden=2048, n_shared_experts=1,
+                      n_group=8, topk_group=4, routed_scaling_factor=2.5),
     ),
-    "kimi-k2": ParamSpec(
-        name="Kimi K2",
-        vocab_size=163_840,
-        d_model=7168,
-        n_mla_layers=61,
-        mla=replace(_DSV3_MLA, n_head=64),
-        n_dense_layers=1,
-        dense_hidden=18_432,
-        n_moe_layers=60,
-        moe=MoEShape(n_experts=384, top_k=8, expert_hidden=2048, n_shared=1),
-        source="moonshotai/Kimi-K2-Instruct config.json; Kimi Team 2025 (arXiv:2507.20534)",
+    "kimi-k2": _released(
+        n_layer=61, n_dense=1,
+        vocab_size=163_840, d_model=7168, dense_hidden=18_432,
+        mla=_deepseek_mla(7168, 64),
+        # routing (groups, scaling) left at the defaults: it does not change the counts
+        moe=MoEConfig(7168, n_experts=384, top_k=8, expert_hidden=2048, n_shared_experts=1),
     ),
-    "kimi-linear-48b-a3b": ParamSpec(
-        name="Kimi-Linear-48B-A3B",
-        vocab_size=163_840,
-        d_model=2304,
-        n_mla_layers=7,
-        mla=MLAShape(
-            n_head=32, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
+    "kimi-linear-48b-a3b": _released(
+        n_layer=27, n_dense=1,
+        # MLA at 1-indexed layers 4, 8, 12, 16, 20, 24, 27; KDA in the 20 others
+        mixers=tuple("mla" if i in (4, 8, 12, 16, 20, 24, 27) else "kda" for i in range(1, 28)),
+        vocab_size=163_840, d_model=2304, dense_hidden=9216,
+        kda=KDAConfig(n_head=32, head_dim=128, conv_size=4, output_gate_bias=False),
+        mla=MLAConfig(
+            d_model=2304, n_head=32, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+            v_head_dim=128, rope=False,
         ),
-        n_kda_layers=20,
-        kda=KDAShape(n_head=32, head_dim=128, conv_kernel=4),
-        n_dense_layers=1,
-        dense_hidden=9216,
-        n_moe_layers=26,
-        moe=MoEShape(n_experts=256, top_k=8, expert_hidden=1024, n_shared=1),
-        source="moonshotai/Kimi-Linear-48B-A3B-Instruct config.json; Kimi Team 2025",
+        moe=MoEConfig(2304, n_experts=256, top_k=8, expert_hidden=1024, n_shared_experts=1,
+                      routed_scaling_factor=2.446),
     ),
+}  # fmt: skip
+RELEASED_SOURCES: dict[str, str] = {
+    "deepseek-v3": "deepseek-ai/DeepSeek-V3 config.json; DeepSeek-AI 2024 (arXiv:2412.19437)",
+    "kimi-k2": "moonshotai/Kimi-K2-Instruct config.json; Kimi Team 2025 (arXiv:2507.20534)",
+    "kimi-linear-48b-a3b": "moonshotai/Kimi-Linear-48B-A3B-Instruct config.json; Kimi Team 2025",
 }
 
 # Kimi K3's routed experts, as read from the released files by a third party: 92 MoE layers of
-# 896 experts (16 per token) of width 3072, running in a 3584-wide latent space. Its other widths
-# (attention, shared experts, latent projections) are not in the sources the book cites.
+# 896 experts (16 per token) of width 3072, running in a 3584-wide latent space (so the layer's
+# d_model here is that latent's, not the model's 7168). Its other widths (attention, shared
+# experts, latent projections) are not in the sources the book cites.
 KIMI_K3_MOE_LAYERS = 92
-KIMI_K3_MOE = MoEShape(n_experts=896, top_k=16, expert_hidden=3072, n_shared=2, latent=3584)
+KIMI_K3_MOE = MoEConfig(3584, n_experts=896, top_k=16, expert_hidden=3072, n_shared_experts=2)
 
 
 def kimi_k3_routed_params() -> tuple[int, int]:
     """(all routed expert parameters, routed parameters one token uses) of Kimi K3."""
-    counts = KIMI_K3_MOE.param_counts(d_model=7168)
-    return (
-        KIMI_K3_MOE_LAYERS * counts["routed"],
-        KIMI_K3_MOE_LAYERS * counts["routed_active"],
-    )
+    counts = moe_param_count(KIMI_K3_MOE)
+    return KIMI_K3_MOE_LAYERS * counts.routed, KIMI_K3_MOE_LAYERS * counts.routed_active

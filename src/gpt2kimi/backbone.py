@@ -67,7 +67,7 @@ from torch import Tensor, nn
 
 from gpt2kimi.train import evaluating
 
-MixerFactory = Callable[[int, int], nn.Module]
+MixerFactory = Callable[[int, int | None], nn.Module]
 FFNFactory = Callable[[int], nn.Module]
 
 # Conventional names of the projection that writes a sublayer's output into the residual stream
@@ -82,7 +82,7 @@ class BackboneConfig:
     vocab_size: int
     d_model: int = 64
     n_layer: int = 2
-    n_head: int = 2
+    n_head: int | None = 2  # passed to each mixer constructor; None where mixers bring their own
     n_positions: int | None = None  # learned positions for this many tokens; None: NoPE
     short_conv: int = 0  # taps of a causal convolution in front of every mixer; 0: none
     norm: str = "rmsnorm"  # or "layernorm"
@@ -90,10 +90,12 @@ class BackboneConfig:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layer", "n_head"):
+        for name in ("vocab_size", "d_model", "n_layer"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.d_model % self.n_head != 0:
+        if self.n_head is not None and self.n_head < 1:
+            raise ValueError(f"n_head must be None or at least 1, got {self.n_head}")
+        if self.n_head is not None and self.d_model % self.n_head != 0:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_head={self.n_head}: "
                 "each head needs an equal share of the model width"

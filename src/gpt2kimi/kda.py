@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from gpt2kimi.configs import KDAConfig
 from gpt2kimi.deltanet import DeltaNet, DeltaNetState
 from gpt2kimi.gated_deltanet import GatedRMSNorm, init_A_log, init_dt_bias, log_decay
 from gpt2kimi.ops import chunk_kda, recurrent_kda
@@ -58,6 +59,7 @@ class KimiDeltaAttention(DeltaNet):
     ``linear_head_dim``, ``conv_size`` its kernel, ``norm_eps`` its ``rms_norm_eps``,
     ``output_gate_bias=False``) its weights load with ``load_state_dict`` as they are. The
     defaults are chapter 5's layer (head_dim = d_model / n_head, a bias on ``g_b_proj``).
+    :meth:`from_config` builds it from a :class:`~gpt2kimi.configs.KDAConfig`.
     Stepwise decoding as in :class:`~gpt2kimi.deltanet.DeltaNet` (``DeltaNetState``): a prompt
     runs the chunk form, a single token one step of :func:`~gpt2kimi.ops.recurrent_kda`.
     """
@@ -71,6 +73,20 @@ class KimiDeltaAttention(DeltaNet):
         self.g_a_proj = nn.Linear(d_model, D, bias=False)
         self.g_b_proj = nn.Linear(D, H * D, bias=output_gate_bias)
         self.o_norm = GatedRMSNorm(D, "sigmoid", self.o_norm.eps)
+
+    @classmethod
+    def from_config(cls, d_model: int, config: KDAConfig) -> KimiDeltaAttention:
+        """The layer of a :class:`~gpt2kimi.configs.KDAConfig` at width ``d_model`` (Kimi
+        Linear's: ``KDAConfig.from_hf``, no bias on the output gate)."""
+        return cls(
+            d_model,
+            config.n_head,
+            head_dim=config.head_dim,
+            conv_size=config.conv_size,
+            chunk_size=config.chunk_size,
+            norm_eps=config.norm_eps,
+            output_gate_bias=config.output_gate_bias,
+        )
 
     def forward(
         self, x: Tensor, state: DeltaNetState | None = None, return_state: bool = False

@@ -23,6 +23,8 @@ the positional part is a separate, small key that is cached already rotated.
 Parameter names and shapes are those of ``transformers``' ``DeepseekV3Attention`` and
 ``KimiLinearAttention`` (``rope=False``: Kimi Linear applies no rotary embedding, the rope-sized
 parts of q and of the shared key enter the scores unrotated), so their ``state_dict`` loads as is.
+The widths are a :class:`~gpt2kimi.configs.MLAConfig` (with its parameter count,
+``MLAConfig.param_count``, and ``MLAConfig.from_hf``).
 
 :func:`cost` counts, from the shapes alone, what one decode step reads from the cache and the
 attention's FLOPs for each decode path the chapter compares (:data:`METHODS`: MHA, GQA, MQA and
@@ -31,142 +33,14 @@ MLA naive, re-expanded, absorbed); :mod:`gpt2kimi.experiments.mla_decode` times 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gpt2kimi.attention import cached_causal_mask
 from gpt2kimi.backbone import RMSNorm
+from gpt2kimi.configs import MLAConfig
 from gpt2kimi.kv_cache import LayerKVCache
-
-# ----------------------------------------------------------------------------------------------
-# configuration
-
-
-@dataclass(frozen=True)
-class MLAConfig:
-    """Widths of one MLA layer, named as in ``transformers``' DeepSeek-V3 / Kimi Linear configs.
-
-    ``q_lora_rank=None`` gives one ``q_proj`` (Kimi Linear, DeepSeek-V2-Lite); an int gives the
-    low-rank query path ``q_a_proj → q_a_layernorm → q_b_proj`` (DeepSeek-V3: 1536).
-    ``rope=False`` is Kimi Linear's NoPE MLA; ``rope_interleave=True`` reads checkpoints that
-    store the rotary dims as pairs (x0, x1), (x2, x3), … as DeepSeek-V3's do.
-    """
-
-    d_model: int
-    n_head: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    q_lora_rank: int | None = None
-    rope: bool = True
-    rope_theta: float = 10000.0
-    rope_interleave: bool = False
-    norm_eps: float = 1e-6
-
-    def __post_init__(self) -> None:
-        for name in ("d_model", "n_head", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.qk_rope_head_dim < 0:
-            raise ValueError(f"qk_rope_head_dim must be >= 0, got {self.qk_rope_head_dim}")
-        if self.rope and (self.qk_rope_head_dim == 0 or self.qk_rope_head_dim % 2):
-            raise ValueError(
-                f"qk_rope_head_dim={self.qk_rope_head_dim}: RoPE rotates pairs of dims, so it "
-                "needs a positive even width (or rope=False for a NoPE layer)"
-            )
-        if self.q_lora_rank is not None and self.q_lora_rank < 1:
-            raise ValueError(
-                f"q_lora_rank must be None (one q_proj) or at least 1, got {self.q_lora_rank}"
-            )
-        if self.rope_theta <= 0:
-            raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
-        if self.norm_eps <= 0:
-            raise ValueError(f"norm_eps must be positive, got {self.norm_eps}")
-
-    @property
-    def qk_head_dim(self) -> int:
-        """Width of each head's query and key: ``qk_nope_head_dim + qk_rope_head_dim``."""
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def cache_dim(self) -> int:
-        """Numbers cached per token: ``kv_lora_rank + qk_rope_head_dim`` (no heads, no factor 2)."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @classmethod
-    def for_width(
-        cls,
-        d_model: int,
-        n_head: int,
-        kv_lora_rank: int | None = None,
-        qk_rope_head_dim: int | None = None,
-        **kwargs,
-    ) -> MLAConfig:
-        """DeepSeek-V3's proportions at width ``d_model``, as a drop-in for softmax attention.
-
-        Each head's nope part and value are ``d_model // n_head`` wide and the shared rope key
-        about half that (DeepSeek-V3: 128 and 64). Unless given, the latent is the widest that
-        keeps the layer within the parameters of multi-head attention of the same width
-        (``4 d² + 4 d``, chapter 2's layer with biases), so that swapping one for the other
-        holds the parameter budget. NoPE (``rope=False``) unless ``rope=True`` is passed.
-        """
-        if d_model < 1 or n_head < 1 or d_model % n_head != 0:
-            raise ValueError(
-                f"d_model={d_model} is not divisible by n_head={n_head}: "
-                "each head needs an equal share of the model width"
-            )
-        head_dim = d_model // n_head
-        # about half a head, even so that RoPE can rotate it in pairs
-        rope_dim = max(2, 2 * (head_dim // 4)) if qk_rope_head_dim is None else qk_rope_head_dim
-        widths = dict(
-            d_model=d_model,
-            n_head=n_head,
-            qk_nope_head_dim=head_dim,
-            qk_rope_head_dim=rope_dim,
-            v_head_dim=head_dim,
-            **{"rope": False, **kwargs},
-        )
-        if kv_lora_rank is None:
-            per_latent_dim = d_model + 1 + n_head * 2 * head_dim  # kv_a row, norm gain, kv_b col
-            without_latent = mla_param_count(cls(kv_lora_rank=1, **widths)) - per_latent_dim
-            budget = 4 * d_model * d_model + 4 * d_model
-            kv_lora_rank = (budget - without_latent) // per_latent_dim
-            if kv_lora_rank < 1:
-                raise ValueError(
-                    f"no latent fits the parameter budget of attention at d_model={d_model}; "
-                    "pass kv_lora_rank"
-                )
-        return cls(kv_lora_rank=kv_lora_rank, **widths)
-
-    @classmethod
-    def from_transformers(cls, config, rope: bool | None = None) -> MLAConfig:
-        """The MLA widths of a ``transformers`` ``DeepseekV3Config`` or ``KimiLinearConfig``.
-
-        ``rope`` defaults to True for DeepSeek-V3 (a ``rope_interleave`` attribute) and False
-        for Kimi Linear. YaRN-scaled RoPE is not supported.
-        """
-        has_rope = hasattr(config, "rope_interleave")
-        rope = has_rope if rope is None else rope
-        params = getattr(config, "rope_parameters", None) or {}
-        if rope and params.get("rope_type", "default") != "default":
-            raise ValueError(f"only plain RoPE is supported, got {params['rope_type']!r}")
-        return cls(
-            d_model=config.hidden_size,
-            n_head=config.num_attention_heads,
-            kv_lora_rank=config.kv_lora_rank,
-            qk_nope_head_dim=config.qk_nope_head_dim,
-            qk_rope_head_dim=config.qk_rope_head_dim,
-            v_head_dim=config.v_head_dim,
-            q_lora_rank=config.q_lora_rank,
-            rope=rope,
-            rope_theta=params.get("rope_theta", 10000.0),
-            rope_interleave=bool(getattr(config, "rope_interleave", False)) and rope,
-        )
-
 
 # ----------------------------------------------------------------------------------------------
 # rotary position embedding (Su et al. 2021), in the "rotate half" layout
@@ -564,18 +438,6 @@ def mla_mixer(d_model: int, n_head: int, **kwargs) -> MultiHeadLatentAttention:
     """MLA as a token mixer of the backbone: ``mla_mixer(d_model, n_head)`` with
     :meth:`MLAConfig.for_width`'s proportions (NoPE, as in Kimi Linear, unless ``rope=True``)."""
     return MultiHeadLatentAttention(MLAConfig.for_width(d_model, n_head, **kwargs))
-
-
-def mla_param_count(config: MLAConfig) -> int:
-    """Parameters of :class:`MultiHeadLatentAttention` (no biases; norm gains included)."""
-    c = config
-    if c.q_lora_rank is None:
-        q = c.d_model * c.n_head * c.qk_head_dim
-    else:
-        q = c.d_model * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * c.n_head * c.qk_head_dim
-    kv_a = c.d_model * c.cache_dim + c.kv_lora_rank
-    kv_b = c.kv_lora_rank * c.n_head * (c.qk_nope_head_dim + c.v_head_dim)
-    return q + kv_a + kv_b + c.n_head * c.v_head_dim * c.d_model
 
 
 # ----------------------------------------------------------------------------------------------

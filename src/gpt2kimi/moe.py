@@ -12,8 +12,11 @@ so ``MoE.load_state_dict(hf_moe.state_dict())`` works as is):
 - ``gate.weight [E, d]`` and the buffer ``gate.e_score_correction_bias [E]``: the router;
 - ``experts.gate_up_proj [E, 2I, d]`` (each expert's gate rows, then its up rows) and
   ``experts.down_proj [E, d, I]``: E SwiGLU experts of width I, stored as stacked tensors;
-- ``shared_experts.{gate_proj, up_proj, down_proj}``: one SwiGLU of width ``I · n_shared`` that
-  every token passes through.
+- ``shared_experts.{gate_proj, up_proj, down_proj}``: one SwiGLU of width
+  ``I · n_shared_experts`` that every token passes through.
+
+The layer's shape and routing are a :class:`~gpt2kimi.configs.MoEConfig`; its parameters, total
+and active, are counted by :func:`gpt2kimi.accounting.moe_param_count`.
 
 The pieces the chapter shows are plain functions: :func:`route` (scores, top-k choice, weights),
 :func:`dispatch` (sort token copies by expert, one matrix product per expert hit, scatter back),
@@ -32,86 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gpt2kimi.backbone import SwiGLU
-
-ROUTERS = ("sigmoid", "softmax")
-
-
-@dataclass
-class MoEConfig:
-    """Shape and routing of one MoE layer (names as in DeepSeek-V3's and Kimi's configs).
-
-    ``router="sigmoid"``: DeepSeek-V3 / Kimi scores, an independent sigmoid per expert, chosen by
-    score + bias. ``router="softmax"``: Mixtral's, a softmax over the experts. With
-    ``norm_topk_prob`` the k chosen weights are divided by their sum; then multiplied by
-    ``routed_scaling_factor``. ``n_group > 1`` is DeepSeek-V3's group-limited routing: the
-    experts form ``n_group`` equal groups and a token may only choose experts in its
-    ``topk_group`` best groups.
-    """
-
-    d_model: int
-    n_experts: int
-    top_k: int
-    expert_hidden: int
-    n_shared_experts: int = 0
-    router: str = "sigmoid"
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    norm_topk_prob: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("d_model", "n_experts", "top_k", "expert_hidden", "n_group", "topk_group"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.n_shared_experts < 0:
-            raise ValueError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
-        if self.router not in ROUTERS:
-            raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
-        if self.top_k > self.n_experts:
-            raise ValueError(
-                f"top_k={self.top_k} is larger than n_experts={self.n_experts}: "
-                "a token cannot choose more experts than there are"
-            )
-        if self.n_experts % self.n_group != 0:
-            raise ValueError(
-                f"n_experts={self.n_experts} is not divisible by n_group={self.n_group}: "
-                "group-limited routing needs groups of equal size"
-            )
-        if self.topk_group > self.n_group:
-            raise ValueError(f"topk_group={self.topk_group} is larger than n_group={self.n_group}")
-        per_group = self.n_experts // self.n_group
-        if self.n_group > 1 and per_group < 2:
-            raise ValueError(
-                f"n_group={self.n_group} leaves {per_group} expert per group; a group is scored "
-                "by its two best experts, so each group needs at least 2"
-            )
-        if self.top_k > self.topk_group * per_group:
-            raise ValueError(
-                f"top_k={self.top_k} is larger than the {self.topk_group * per_group} experts in "
-                f"the topk_group={self.topk_group} groups a token may use"
-            )
-
-    @property
-    def active_hidden(self) -> int:
-        """Hidden width a token passes through: k routed experts plus the shared ones."""
-        return (self.top_k + self.n_shared_experts) * self.expert_hidden
-
-    @classmethod
-    def from_hf(cls, config) -> MoEConfig:
-        """The MoE of a ``transformers`` ``KimiLinearConfig`` or ``DeepseekV3Config``."""
-        return cls(
-            d_model=config.hidden_size,
-            n_experts=config.num_local_experts,
-            top_k=config.num_experts_per_tok,
-            expert_hidden=config.moe_intermediate_size,
-            n_shared_experts=config.n_shared_experts,
-            router="sigmoid",
-            n_group=config.n_group,
-            topk_group=config.topk_group,
-            routed_scaling_factor=config.routed_scaling_factor,
-            norm_topk_prob=config.norm_topk_prob,
-        )
-
+from gpt2kimi.configs import MoEConfig
 
 # ----------------------------------------------------------------------------------------------
 # routing
@@ -246,10 +170,8 @@ class MoE(nn.Module):
         self.config = config
         self.gate = TopKRouter(config)
         self.experts = Experts(config)
-        n_shared = config.n_shared_experts
-        self.shared_experts = (
-            SwiGLU(config.d_model, config.expert_hidden * n_shared) if n_shared else None
-        )
+        shared_hidden = config.expert_hidden * config.n_shared_experts
+        self.shared_experts = SwiGLU(config.d_model, shared_hidden) if shared_hidden else None
         self.last_routing: Routing | None = None
         self.register_buffer("load", torch.zeros(config.n_experts), persistent=False)
 
@@ -320,7 +242,7 @@ def moe_reference(moe: MoE, x: Tensor) -> Tensor:
 def dense_equivalent(config: MoEConfig) -> SwiGLU:
     """A dense SwiGLU with as many active parameters as the MoE (minus the small router).
 
-    Hidden width ``(top_k + n_shared) · expert_hidden``: every token goes through as many
+    Hidden width ``(top_k + n_shared_experts) · expert_hidden``: every token goes through as many
     weights as through its k routed experts and the shared ones.
     """
     return SwiGLU(config.d_model, config.active_hidden)
@@ -340,17 +262,6 @@ def moe_ffn(
     """
     hidden = d_model if expert_hidden is None else expert_hidden
     return MoE(MoEConfig(d_model, n_experts, top_k, hidden, n_shared_experts=n_shared_experts))
-
-
-def moe_param_counts(config: MoEConfig) -> tuple[int, int]:
-    """(total, active) parameters of one MoE layer: router, E (or k) experts, shared experts."""
-    d, I = config.d_model, config.expert_hidden
-    router = config.n_experts * d
-    expert = 3 * d * I
-    shared = config.n_shared_experts * expert
-    total = router + config.n_experts * expert + shared
-    active = router + config.top_k * expert + shared
-    return total, active
 
 
 # ----------------------------------------------------------------------------------------------

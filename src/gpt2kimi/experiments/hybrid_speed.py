@@ -18,10 +18,11 @@ import torch
 from torch import nn
 
 from gpt2kimi.attention import SoftmaxAttention
-from gpt2kimi.backbone import LanguageModel, ModelCache
-from gpt2kimi.hybrid import HybridConfig, KimiHybrid, make_ffn, to_hf_state_dict
-from gpt2kimi.kv_cache import LayerKVCache, generate
-from gpt2kimi.mla import LatentCache
+from gpt2kimi.backbone import LanguageModel
+from gpt2kimi.configs import HybridConfig, KDAConfig, MLAConfig, MoEConfig
+from gpt2kimi.experiments.decoding import fill_cache
+from gpt2kimi.hybrid import KimiHybrid, make_ffn, to_hf_state_dict
+from gpt2kimi.kv_cache import generate
 from gpt2kimi.timing import fastest_interleaved, timed
 
 # The book's tiny hybrid: 4 layers, KDA ×3 then MLA, a dense first feed-forward, then experts.
@@ -30,18 +31,11 @@ BENCH_CONFIG = HybridConfig(
     d_model=128,
     mixers=("kda", "kda", "kda", "mla"),
     ffns=("dense", "moe", "moe", "moe"),
-    kda_heads=2,
-    kda_head_dim=64,
-    mla_heads=2,
-    kv_lora_rank=64,
-    qk_nope_head_dim=64,
-    qk_rope_head_dim=16,
-    v_head_dim=64,
+    kda=KDAConfig(n_head=2, head_dim=64, output_gate_bias=False),
+    mla=MLAConfig(d_model=128, n_head=2, kv_lora_rank=64, qk_nope_head_dim=64,
+                  qk_rope_head_dim=16, v_head_dim=64, rope=False),
+    moe=MoEConfig(d_model=128, n_experts=8, top_k=2, expert_hidden=64, n_shared_experts=1),
     dense_hidden=256,
-    n_experts=8,
-    top_k=2,
-    expert_hidden=64,
-    n_shared_experts=1,
 )
 MODELS = ("hybrid", "all-MLA", "MHA")
 
@@ -53,29 +47,10 @@ def build_models(config: HybridConfig = BENCH_CONFIG, seed: int = 0) -> dict[str
     all_mla = KimiHybrid(config.replace(mixers=("mla",) * config.n_layer)).eval()
     mha = LanguageModel(
         config.backbone_config(),
-        lambda d, h: SoftmaxAttention(d, config.mla_heads),
+        lambda d, h: SoftmaxAttention(d, config.mla.n_head),
         [lambda d, kind=kind: make_ffn(config, kind) for kind in config.ffns],
     ).eval()
     return {"hybrid": hybrid, "all-MLA": all_mla, "MHA": mha}
-
-
-def fill_cache(cache: ModelCache, n_tokens: int, generator: torch.Generator) -> None:
-    """Write ``n_tokens`` random tokens' worth into every growing cache of ``cache``.
-
-    KV and latent caches are filled (their reads cost what real ones do); fixed-size states stay
-    as they are (a KDA memory costs the same whatever it holds).
-    """
-    for layer in cache.layers:
-        state = layer.mixer
-        if isinstance(state, LatentCache):
-            B, rope = state.batch_size, state.rope_dim
-            c_kv = torch.randn(B, n_tokens, state.c_kv.size(-1), generator=generator)
-            state.update(c_kv.to(state.c_kv.dtype), torch.randn(B, n_tokens, rope).to(c_kv))
-        elif isinstance(state, LayerKVCache):
-            B, H, _, D = state.k.shape
-            k = torch.randn(B, H, n_tokens, D, generator=generator).to(state.k.dtype)
-            state.update(k, torch.randn_like(k))
-    cache.pos = n_tokens
 
 
 def decode_timer(

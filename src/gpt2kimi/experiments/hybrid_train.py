@@ -16,13 +16,14 @@ from dataclasses import asdict
 import torch
 from torch import nn
 
-from gpt2kimi.accounting import gpt2_param_count
+from gpt2kimi.accounting import gpt2_param_count, param_count
+from gpt2kimi.configs import HybridConfig, KDAConfig, MLAConfig, MoEConfig
 from gpt2kimi.data import lm_batches, load_corpus
 from gpt2kimi.experiments.mqar import MQARConfig, MQARTraining, mqar_setup, run_mqar
 from gpt2kimi.experiments.registry import RECORDED_BACKBONE
 from gpt2kimi.experiments.sweep import machine_info, map_jobs, training_settings
 from gpt2kimi.gpt2 import GPT2, GPT2Config
-from gpt2kimi.hybrid import HybridConfig, KimiHybrid, count_params
+from gpt2kimi.hybrid import KimiHybrid
 from gpt2kimi.moe import AuxLossWrapper
 from gpt2kimi.progress import say
 from gpt2kimi.train import TrainConfig, train
@@ -34,18 +35,11 @@ LM_CONFIG = HybridConfig(
     d_model=64,
     mixers=("kda", "kda", "kda", "mla"),
     ffns=("dense", "moe", "moe", "moe"),
-    kda_heads=2,
-    kda_head_dim=32,
-    mla_heads=2,
-    kv_lora_rank=32,
-    qk_nope_head_dim=32,
-    qk_rope_head_dim=16,
-    v_head_dim=32,
+    kda=KDAConfig(n_head=2, head_dim=32, output_gate_bias=False),
+    mla=MLAConfig(d_model=64, n_head=2, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                  v_head_dim=32, rope=False),
+    moe=MoEConfig(d_model=64, n_experts=8, top_k=2, expert_hidden=64, n_shared_experts=1),
     dense_hidden=192,
-    n_experts=8,
-    top_k=2,
-    expert_hidden=64,
-    n_shared_experts=1,
 )
 # KDA:MLA mixes of the same 4 layers (the paper's ratio ablation, at this scale)
 RATIOS: dict[str, tuple[str, ...]] = {
@@ -76,7 +70,7 @@ def gpt2_baseline_config(
 def lm_model(name: str, config: HybridConfig = LM_CONFIG, block_size: int = 64) -> nn.Module:
     """``"gpt2"`` (the baseline of equal active parameters) or a ratio name of :data:`RATIOS`."""
     if name == "gpt2":
-        touched = count_params(config).active_with_embedding  # as GPT-2's count has its table
+        touched = param_count(config).active_with_embedding  # as GPT-2's count has its table
         return GPT2(gpt2_baseline_config(touched, config, block_size))
     return KimiHybrid(config.replace(mixers=RATIOS[name]))
 
@@ -89,7 +83,7 @@ def run_lm(job: tuple[str, int, dict]) -> dict:
     model = lm_model(name, block_size=s["block_size"])
     total = sum(p.numel() for p in model.parameters())
     # parameters one token uses, the embedding row included (GPT-2's embedding is its head)
-    active = total if name == "gpt2" else count_params(model.hybrid_config).active_with_embedding
+    active = total if name == "gpt2" else param_count(model.hybrid_config).active_with_embedding
     trained = model if name == "gpt2" else AuxLossWrapper(model, bias_gamma=s["bias_gamma"])
     cfg = TrainConfig(steps=s["steps"], lr=s["lr"], warmup_steps=min(s["warmup_steps"], s["steps"]),
                       eval_interval=s["eval_interval"], eval_batches=s["eval_batches"], seed=seed)

@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from gpt2kimi.attention import SoftmaxAttention
+from gpt2kimi.configs import MLAConfig
 from gpt2kimi.kv_cache import LayerKVCache
 from gpt2kimi.mla import (
     METHODS,
     SOFTMAX_METHODS,
     LatentCache,
-    MLAConfig,
     MultiHeadLatentAttention,
     cost,
     kv_heads,

@@ -15,7 +15,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from gpt2kimi.moe import MoE, MoEConfig, dense_equivalent
+from gpt2kimi.configs import MoEConfig
+from gpt2kimi.moe import MoE, dense_equivalent
 from gpt2kimi.timing import fastest_interleaved, timed
 
 
@@ -56,7 +57,7 @@ def moe_speed(
     n_experts: int = 64,
     top_k: int = 8,
     expert_hidden: int = 128,
-    n_shared: int = 1,
+    n_shared_experts: int = 1,
     rounds: int = 5,
     seed: int = 0,
 ) -> dict:
@@ -69,7 +70,7 @@ def moe_speed(
     outputs on the timed input.
     """
     torch.manual_seed(seed)
-    config = MoEConfig(d_model, n_experts, top_k, expert_hidden, n_shared_experts=n_shared)
+    config = MoEConfig(d_model, n_experts, top_k, expert_hidden, n_shared_experts=n_shared_experts)
     moe, dense = MoE(config).eval(), dense_equivalent(config).eval()
     x = torch.randn(1, tokens, d_model)
     fns: dict[str, nn.Module] = {"moe": moe, "dense": dense}
@@ -93,7 +94,7 @@ def moe_speed(
         n_experts=n_experts,
         top_k=top_k,
         expert_hidden=expert_hidden,
-        n_shared=n_shared,
+        n_shared_experts=n_shared_experts,
         dense_hidden=config.active_hidden,
         rounds=rounds,
         threads=torch.get_num_threads(),
@@ -117,7 +118,7 @@ def format_table(result: dict) -> str:
     }
     lines = [
         f"{s['tokens']} tokens, d={s['d_model']}, {s['n_experts']} experts of width "
-        f"{s['expert_hidden']}, top-{s['top_k']}, {s['n_shared']} shared",
+        f"{s['expert_hidden']}, top-{s['top_k']}, {s['n_shared_experts']} shared",
         f"fp32, {s['threads']} thread(s), fastest of {s['rounds']} interleaved rounds",
         f"{'':<34}{'ms':>8}{'tokens/s':>11}{'time / MoE':>12}",
     ]

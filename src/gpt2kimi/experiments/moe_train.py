@@ -25,9 +25,10 @@ import torch
 
 from gpt2kimi.attention import SoftmaxAttention
 from gpt2kimi.backbone import BackboneConfig, LanguageModel, count_parameters
+from gpt2kimi.configs import MoEConfig
 from gpt2kimi.data import lm_batches, load_corpus
 from gpt2kimi.experiments.sweep import map_jobs
-from gpt2kimi.moe import AuxLossWrapper, MoE, MoEConfig, dense_equivalent, moe_layers
+from gpt2kimi.moe import AuxLossWrapper, MoE, dense_equivalent, moe_layers
 from gpt2kimi.train import TrainConfig, train
 
 VARIANTS = ("dense", "moe", "moe_aux", "moe_bias")
@@ -53,7 +54,7 @@ class MoETrainSettings:
     n_head: int = 2
     n_experts: int = 8
     top_k: int = 2
-    n_shared: int = 1
+    n_shared_experts: int = 1
     expert_hidden: int = 64
     block_size: int = 64
     batch_size: int = 16
@@ -72,7 +73,7 @@ class MoETrainSettings:
             n_experts=self.n_experts,
             top_k=self.top_k,
             expert_hidden=self.expert_hidden,
-            n_shared_experts=self.n_shared,
+            n_shared_experts=self.n_shared_experts,
         )
 
 
