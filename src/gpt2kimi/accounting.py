@@ -523,7 +523,7 @@ def param_count(config: HybridConfig, name: str = "") -> ParamCount:
     Per layer its mixer (:func:`kda_param_count` or ``MLAConfig.param_count``), its feed-forward
     (a dense SwiGLU or :func:`moe_param_count`) and two RMSNorms; a final RMSNorm, the input
     table and the untied head. Equal to the parameters of
-    :class:`gpt2kimi.hybrid.KimiHybrid` and of ``transformers``' Kimi Linear and DeepSeek-V3
+    :class:`gpt2kimi.kimi_linear.KimiHybrid` and of ``transformers``' Kimi Linear and DeepSeek-V3
     models built from the same config.
     """
     d = config.d_model

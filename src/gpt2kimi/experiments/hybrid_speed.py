@@ -21,7 +21,7 @@ from gpt2kimi.attention import SoftmaxAttention
 from gpt2kimi.backbone import LanguageModel
 from gpt2kimi.configs import HybridConfig, KDAConfig, MLAConfig, MoEConfig
 from gpt2kimi.experiments.decoding import fill_cache
-from gpt2kimi.hybrid import KimiHybrid, make_ffn, to_hf_state_dict
+from gpt2kimi.kimi_linear import KimiHybrid, make_ffn, to_hf_state_dict
 from gpt2kimi.kv_cache import generate
 from gpt2kimi.timing import fastest_interleaved, timed
 

@@ -23,7 +23,7 @@ from gpt2kimi.experiments.mqar import MQARConfig, MQARTraining, mqar_setup, run_
 from gpt2kimi.experiments.registry import RECORDED_BACKBONE
 from gpt2kimi.experiments.sweep import machine_info, map_jobs, training_settings
 from gpt2kimi.gpt2 import GPT2, GPT2Config
-from gpt2kimi.hybrid import KimiHybrid
+from gpt2kimi.kimi_linear import KimiHybrid
 from gpt2kimi.moe import AuxLossWrapper
 from gpt2kimi.progress import say
 from gpt2kimi.train import TrainConfig, train

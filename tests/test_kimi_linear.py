@@ -10,8 +10,8 @@ from gpt2kimi.accounting import param_count
 from gpt2kimi.backbone import count_parameters
 from gpt2kimi.configs import HybridConfig
 from gpt2kimi.gpt2 import CheckpointError
-from gpt2kimi.hybrid import KimiHybrid, hf_to_local
 from gpt2kimi.kda import KimiDeltaAttention
+from gpt2kimi.kimi_linear import KimiHybrid, hf_to_local
 from gpt2kimi.kv_cache import generate
 
 transformers = pytest.importorskip("transformers")
