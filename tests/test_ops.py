@@ -58,7 +58,9 @@ def random_inputs(name: str, T: int, dtype=torch.float64, seed: int = 0, log_dec
 
 @pytest.mark.parametrize("name", OPERATORS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("T, chunk_size", [(37, 16), (5, 16), (32, 16), (9, 1), (70, 64)])
+@pytest.mark.parametrize(
+    "T, chunk_size", [(37, 16), (5, 16), (32, 16), (9, 1), (70, 64), (150, 4)]  # 150: 3 groups
+)
 @pytest.mark.parametrize("with_state", [False, True])
 def test_chunk_matches_recurrent(name, dtype, T, chunk_size, with_state):
     recurrent, chunk = OPERATORS[name][:2]

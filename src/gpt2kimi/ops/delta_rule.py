@@ -64,7 +64,7 @@ def chunk_delta_rule(
     ``A = StrictLower(diag(β) K Kᵀ)``, ``T = (I + A)⁻¹``, ``W = T diag(β) K``, ``U = T diag(β) V``,
     the chunk's pseudo-values are ``U' = U − W S`` and then ``O = Q S + (Q Kᵀ ⊙ M) U'``,
     ``S ← S + Kᵀ U'`` (:func:`~gpt2kimi.ops.utils.chunk_recurrence`). Everything else is
-    computed for all chunks at once; the only Python loop runs over chunks.
+    computed for a group of chunks at once; the only sequential loop runs over chunks.
     q, k: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; any T (the last chunk is padded).
     Returns o: [B, T, H, V] in q's dtype and the final state: [B, H, K, V].
     """
@@ -75,12 +75,15 @@ def chunk_delta_rule(
     q, k, v = (split_chunks(x, chunk_size) for x in (q, k, v))  # [N, B, H, C, D]
     beta = split_chunks(beta, chunk_size)[..., None]  # [N, B, H, C, 1]
 
-    k_beta = beta * k  # diag(β) K
-    # A: how much each write disturbs the later writes of the chunk
-    A = (k_beta @ k.transpose(-1, -2)).tril_(-1)
-    T_ut = ut_transform(A)  # one batched triangular solve for every chunk and head
-    W = T_ut @ k_beta
-    U = T_ut @ (beta * v)
-    scores = (q @ k.transpose(-1, -2)).tril_()  # causal, diagonal included
-    o, S = chunk_recurrence(q, k, W, U, scores, S, decay=None)
+    def prepare(q, k, v, beta):  # a group of chunks at once: [G, B, H, C, ·]
+        k_beta = beta * k  # diag(β) K
+        # A: how much each write disturbs the later writes of the chunk
+        A = (k_beta @ k.transpose(-1, -2)).tril_(-1)
+        T_ut = ut_transform(A)  # one batched triangular solve for every chunk and head
+        W = T_ut @ k_beta
+        U = T_ut @ (beta * v)
+        scores = (q @ k.transpose(-1, -2)).tril_()  # causal, diagonal included
+        return q, k, W, U, scores, None
+
+    o, S = chunk_recurrence(prepare, (q, k, v, beta), S)
     return merge_chunks(o, T).to(out_dtype), S

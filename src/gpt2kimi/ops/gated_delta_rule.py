@@ -85,7 +85,7 @@ def chunk_gated_delta_rule(
     With γ the in-chunk cumulative sum of g and ``Γ_ij = exp(γ_i − γ_j)`` (i >= j):
     ``A = StrictLower(diag(β)(K Kᵀ ⊙ Γ))``, ``T = (I + A)⁻¹``, ``W = T diag(β)(K ⊙ e^γ)``,
     ``U = T diag(β) V``; per chunk ``U' = U − W S``, ``O = (Q ⊙ e^γ) S + (Q Kᵀ ⊙ Γ) U'``,
-    ``S ← e^{γ_C} S + (K ⊙ e^{γ_C − γ})ᵀ U'``. The only Python loop runs over chunks.
+    ``S ← e^{γ_C} S + (K ⊙ e^{γ_C − γ})ᵀ U'``. The only sequential loop runs over chunks.
     q, k: [B, T, H, K]; v: [B, T, H, V]; g, beta: [B, T, H]; any T (the last chunk is padded
     with g = 0, beta = 0). Returns o: [B, T, H, V] in q's dtype and the final state [B, H, K, V].
     """
@@ -96,20 +96,23 @@ def chunk_gated_delta_rule(
     q, k, v, g = (split_chunks(x, chunk_size) for x in (q, k, v, g))  # [N, B, H, C, (D)]
     beta = split_chunks(beta, chunk_size)[..., None]  # [N, B, H, C, 1]
 
-    # every decay is the exponential of a difference of log-sums (<= 0): factors in [0, 1]
-    gamma = g.cumsum(dim=-1)  # [N, B, H, C]
-    Gamma = pairwise_decay(gamma)  # 0 above the diagonal
-    decay_from_start = gamma.exp()[..., None]  # chunk start -> token i
-    decay_to_end = (gamma[..., -1:] - gamma).exp()[..., None]  # token i -> chunk end
+    def prepare(q, k, v, g, beta):  # a group of chunks at once: [G, B, H, C, ·]
+        # every decay is the exponential of a difference of log-sums (<= 0): factors in [0, 1]
+        gamma = g.cumsum(dim=-1)  # [G, B, H, C]
+        Gamma = pairwise_decay(gamma)  # 0 above the diagonal
+        decay_from_start = gamma.exp()[..., None]  # chunk start -> token i
+        decay_to_end = (gamma[..., -1:] - gamma).exp()[..., None]  # token i -> chunk end
 
-    k_beta = beta * k
-    A = (k_beta @ k.transpose(-1, -2) * Gamma).tril_(-1)
-    T_ut = ut_transform(A)
-    W = T_ut @ (k_beta * decay_from_start)
-    U = T_ut @ (beta * v)
-    scores = q @ k.transpose(-1, -2) * Gamma
-    q_decayed = q * decay_from_start  # token i reads the memory as decayed up to i
-    k_decayed = k * decay_to_end  # what token i writes decays on until the chunk ends
-    chunk_decay = gamma[..., -1].exp()[..., None, None]  # e^{γ_C}: the whole chunk
-    o, S = chunk_recurrence(q_decayed, k_decayed, W, U, scores, S, chunk_decay)
+        k_beta = beta * k
+        A = (k_beta @ k.transpose(-1, -2) * Gamma).tril_(-1)
+        T_ut = ut_transform(A)
+        W = T_ut @ (k_beta * decay_from_start)
+        U = T_ut @ (beta * v)
+        scores = q @ k.transpose(-1, -2) * Gamma
+        q_decayed = q * decay_from_start  # token i reads the memory as decayed up to i
+        k_decayed = k * decay_to_end  # what token i writes decays on until the chunk ends
+        chunk_decay = gamma[..., -1].exp()[..., None, None]  # e^{γ_C}: the whole chunk
+        return q_decayed, k_decayed, W, U, scores, chunk_decay
+
+    o, S = chunk_recurrence(prepare, (q, k, v, g, beta), S)
     return merge_chunks(o, T).to(out_dtype), S

@@ -142,16 +142,19 @@ def chunk_kda(
     q, k, v, g = (split_chunks(x, chunk_size) for x in (q, k, v, g))  # [N, B, H, C, D]
     beta = split_chunks(beta, chunk_size)[..., None]  # [N, B, H, C, 1]
 
-    gamma = g.cumsum(dim=-2)  # per channel: [N, B, H, C, K]
-    decay_from_start = gamma.exp()
-    decay_to_end = (gamma[..., -1:, :] - gamma).exp()
-    # per-channel decays do not factor out of K Kᵀ and Q Kᵀ: one chunk at a time, so that the
-    # [C, C, K] decay tensor exists for one chunk only
-    products = [decayed_products(*chunk) for chunk in zip(q, k, gamma, strict=True)]
-    kk, scores = (torch.stack(p) for p in zip(*products, strict=True))  # K Kᵀ ⊙ Γ, Q Kᵀ ⊙ Γ
-    T_ut = ut_transform((beta * kk).tril(-1))
-    W = T_ut @ (beta * k * decay_from_start)
-    U = T_ut @ (beta * v)
-    chunk_decay = gamma[..., -1, :].exp()[..., None]  # Diag(e^{γ_C}) as a column [..., K, 1]
-    o, S = chunk_recurrence(q * decay_from_start, k * decay_to_end, W, U, scores, S, chunk_decay)
+    def prepare(q, k, v, g, beta):  # a group of chunks at once: [G, B, H, C, ·]
+        gamma = g.cumsum(dim=-2)  # per channel: [G, B, H, C, K]
+        decay_from_start = gamma.exp()
+        decay_to_end = (gamma[..., -1:, :] - gamma).exp()
+        # per-channel decays do not factor out of K Kᵀ and Q Kᵀ: one chunk at a time, so that
+        # the [C, C, K] decay tensor exists for one chunk only
+        products = [decayed_products(*chunk) for chunk in zip(q, k, gamma, strict=True)]
+        kk, scores = (torch.stack(p) for p in zip(*products, strict=True))  # K Kᵀ ⊙ Γ, Q Kᵀ ⊙ Γ
+        T_ut = ut_transform((beta * kk).tril(-1))
+        W = T_ut @ (beta * k * decay_from_start)
+        U = T_ut @ (beta * v)
+        chunk_decay = gamma[..., -1, :].exp()[..., None]  # Diag(e^{γ_C}) as a column [.., K, 1]
+        return q * decay_from_start, k * decay_to_end, W, U, scores, chunk_decay
+
+    o, S = chunk_recurrence(prepare, (q, k, v, g, beta), S)
     return merge_chunks(o, T).to(out_dtype), S

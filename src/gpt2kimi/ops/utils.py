@@ -14,6 +14,7 @@ The conventions are flash-linear-attention's (fla), so a reader can move on to i
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -155,22 +156,35 @@ def ut_transform(A: Tensor) -> Tensor:
     return torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
 
 
+# Chunks whose intermediates (W, U, the scores, the UT transform) exist at the same time. A whole
+# sequence's worth, allocated afresh at every call, costs a CPU more in page faults than in
+# arithmetic; a group of 16 chunks keeps each intermediate near a MiB at the book's sizes.
+CHUNK_GROUP = 16
+
+
 def chunk_recurrence(
-    q: Tensor, k: Tensor, W: Tensor, U: Tensor, scores: Tensor, S: Tensor, decay: Tensor | None
+    prepare: Callable[..., tuple[Tensor, ...]],
+    chunks: tuple[Tensor, ...],
+    S: Tensor,
+    group: int = CHUNK_GROUP,
 ) -> tuple[Tensor, Tensor]:
     """The only sequential part of a delta-rule chunk form: one chunk at a time, carrying S.
 
-    Per chunk n (every input is ``[N, B, H, C, ·]``, chunk first): ``U' = U − W S``, then
-    ``O = Q S + P U'`` and ``S ← D S + Kᵀ U'``, with P the chunk's causal scores and D its
-    total decay (None: DeltaNet, which never forgets; the gated forms pass q and k already
-    decayed). Returns O [N, B, H, C, V] and the final S [B, H, K, V].
+    ``chunks`` are the operator's inputs split into chunks (``[N, B, H, C, ·]``, chunk first).
+    ``prepare(*chunks)`` computes, for a group of chunks at once, ``(Q, K, W, U, P, D)``: what
+    each chunk reads and writes (``[G, B, H, C, ·]``), P its causal scores, D its total decay
+    (None: the delta rule, which never forgets; the gated forms pass q and k already decayed).
+    Then per chunk n: ``U' = U − W S``, ``O = Q S + P U'``, ``S ← D S + Kᵀ U'``.
+    Returns O [N, B, H, C, V] and the final S [B, H, K, V].
     """
     outputs = []
-    for n in range(len(q)):
-        # the errors the chunk writes, now that the memory before it is known
-        u = U[n] - W[n] @ S
-        outputs.append(q[n] @ S + scores[n] @ u)
-        S = (S if decay is None else decay[n] * S) + k[n].transpose(-1, -2) @ u
+    for start in range(0, len(chunks[0]), group):
+        q, k, W, U, scores, decay = prepare(*(x[start : start + group] for x in chunks))
+        for n in range(len(q)):
+            # the errors the chunk writes, now that the memory before it is known
+            u = U[n] - W[n] @ S
+            outputs.append(q[n] @ S + scores[n] @ u)
+            S = (S if decay is None else decay[n] * S) + k[n].transpose(-1, -2) @ u
     return torch.stack(outputs), S
 
 
