@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from gpt2kimi.experiments import forget, moe_train, rewrite
+from gpt2kimi.experiments import forget, moe_train, results, rewrite
 from gpt2kimi.experiments.hybrid_train import lm_sweep, mqar_runs
 from gpt2kimi.experiments.mqar import MQARTraining, format_table, mqar_sweep
 from gpt2kimi.experiments.pipeline import ResultsFileError, sweep
@@ -34,12 +34,6 @@ from gpt2kimi.experiments.registry import (
     MQAR_SEQ_LEN,
     MQAR_VOCAB,
     mqar_model_config,
-)
-from gpt2kimi.experiments.results import (
-    REGISTRY,
-    check_files,
-    default_data_dir,
-    entry_status,
 )
 from gpt2kimi.experiments.sweep import machine_info
 from gpt2kimi.experiments.tasks import get_task
@@ -366,33 +360,33 @@ def list_main(argv: list[str]) -> None:
                                 description=list_main.__doc__)
     _data_arg(p)
     args = p.parse_args(argv)
-    data = args.data or default_data_dir()
-    width = max(len(name) for name in REGISTRY)
-    for entry in REGISTRY.values():
+    data = args.data or results.default_data_dir()
+    width = max(len(name) for name in results.REGISTRY)
+    for entry in results.REGISTRY.values():
         runs = len(entry.runs())
         print(f"{entry.name:<{width}}  ch {entry.chapters:<5} {entry.task:<9} {runs:>3} runs "
-              f"~{entry.minutes:g} min  {entry_status(entry, data)}")
+              f"~{entry.minutes:g} min  {results.entry_status(entry, data)}")
         print(f"{'':<{width}}  {entry.description}")
         print(f"{'':<{width}}  {entry.command}")
-    total = sum(entry.minutes for entry in REGISTRY.values())
-    print(f"{len(REGISTRY)} files, ~{total:g} min in all on 2 cores (two runs at a time)")
+    total = sum(entry.minutes for entry in results.REGISTRY.values())
+    print(f"{len(results.REGISTRY)} files, ~{total:g} min in all on 2 cores (two runs at a time)")
 
 
 def run_main(argv: list[str]) -> None:
     """``run NAME``: run or resume the sweep of the registered results file NAME."""
     p = argparse.ArgumentParser(prog="python -m gpt2kimi.experiments run",
                                 description=run_main.__doc__)
-    p.add_argument("name", choices=sorted(REGISTRY), metavar="NAME",
+    p.add_argument("name", choices=sorted(results.REGISTRY), metavar="NAME",
                    help="a results file of the registry (see list)")
     p.add_argument("--jobs", type=int, default=2, help="parallel single-threaded runs")
     p.add_argument("--restart", action="store_true",
                    help="start the file afresh (drops the runs it holds)")
     _data_arg(p)
     args = p.parse_args(argv)
-    entry = REGISTRY[args.name]
+    entry = results.REGISTRY[args.name]
     if entry.legacy:
         raise SystemExit(f"{entry.name} is not in the pipeline yet; its command: {entry.command}")
-    out = (args.data or default_data_dir()) / entry.path
+    out = (args.data or results.default_data_dir()) / entry.path
     say(f"{entry.name}: {len(entry.runs())} runs of {entry.task} into {out} "
         f"(~{entry.minutes:g} min on 2 cores)")
     try:
@@ -418,7 +412,7 @@ def check_main(argv: list[str]) -> None:
                                 description=check_main.__doc__)
     _data_arg(p)
     args = p.parse_args(argv)
-    rows = check_files(args.data or default_data_dir())
+    rows = results.check_files(args.data or results.default_data_dir())
     width = max((len(name) for name, _ in rows), default=0)
     for name, status in rows:
         print(f"{name:<{width}}  {status}")
