@@ -14,8 +14,14 @@ the support modules never import it):
   :mod:`~gpt2kimi.experiments.kv_cache_speed` (chapter 2), :mod:`~gpt2kimi.experiments.mla_decode`
   (chapter 6), :mod:`~gpt2kimi.experiments.moe_speed` (chapter 7),
   :mod:`~gpt2kimi.experiments.hybrid_speed` (chapter 8);
-- :mod:`~gpt2kimi.experiments.sweep`: the process pool and the results helpers they share.
+- :mod:`~gpt2kimi.experiments.sweep`: the process pool and the results helpers they share;
+- the pipeline: :mod:`~gpt2kimi.experiments.tasks` (one interface,
+  ``train_and_score(settings, seed) -> record``, for MQAR, rewritten facts, sliding-window
+  recall and the two byte-level language models), :mod:`~gpt2kimi.experiments.pipeline` (one
+  resumable ``sweep`` appending each run to its results file, ``read_results``, ``code_hash``)
+  and :mod:`~gpt2kimi.experiments.results` (the registry of the book's results files).
 
-``python -m gpt2kimi.experiments NAME ...`` runs the training sweeps that write the book's
-results files; ``python -m gpt2kimi.bench NAME ...`` prints the timing benchmarks.
+``python -m gpt2kimi.experiments list | run NAME | check`` lists, (re-)records and checks the
+book's results files; the older ``python -m gpt2kimi.experiments NAME ...`` commands wrote
+today's files; ``python -m gpt2kimi.bench NAME ...`` prints the timing benchmarks.
 """

@@ -1,8 +1,14 @@
 """``python -m gpt2kimi.experiments NAME [ARGS]``: run one of the book's training sweeps.
 
-Each command trains models and writes the JSON results file a chapter plots (``--out -``: print
-only): ``mqar`` (chapters 3-6), ``forget`` and ``rewrite`` (chapter 5), ``moe-train`` (chapter 7),
-``hybrid --train lm|mqar`` (chapter 8). Runs are single-threaded, ``--jobs`` of them at once.
+The pipeline (:mod:`gpt2kimi.experiments.results`): ``list`` (every results file the book
+reads, what it is, its estimated time and whether it is current), ``run NAME`` (runs or resumes
+that file's sweep, each run appended as it finishes), ``check`` (every file under ``book/data``
+against the registry and today's code; exit status 1 on a stale or unregistered file).
+
+The older per-experiment commands, which wrote today's files, each train models and write the
+JSON results file a chapter plots (``--out -``: print only): ``mqar`` (chapters 3-6),
+``forget`` and ``rewrite`` (chapter 5), ``moe-train`` (chapter 7), ``hybrid --train lm|mqar``
+(chapter 8). Runs are single-threaded, ``--jobs`` of them at once.
 The timing benchmarks are ``python -m gpt2kimi.bench``.
 """
 
@@ -17,9 +23,10 @@ from pathlib import Path
 
 import torch
 
-from gpt2kimi.experiments import forget, moe_train, rewrite
+from gpt2kimi.experiments import forget, moe_train, results, rewrite
 from gpt2kimi.experiments.hybrid_train import lm_sweep, mqar_runs
 from gpt2kimi.experiments.mqar import MQARTraining, format_table, mqar_sweep
+from gpt2kimi.experiments.pipeline import ResultsFileError, sweep
 from gpt2kimi.experiments.recall import WindowRecallConfig, rewrite_sweep, window_recall_sweep
 from gpt2kimi.experiments.registry import (
     MIXERS,
@@ -29,6 +36,7 @@ from gpt2kimi.experiments.registry import (
     mqar_model_config,
 )
 from gpt2kimi.experiments.sweep import machine_info
+from gpt2kimi.experiments.tasks import get_task
 from gpt2kimi.progress import say
 
 MQAR_DOC = """``python -m gpt2kimi.experiments mqar``: the MQAR sweep behind chapter 3's recall
@@ -341,7 +349,83 @@ def hybrid_main(argv: list[str]) -> None:
     write_json(json.dumps(result, indent=1), args.out)
 
 
+def _data_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", type=Path, default=None,
+                   help="the results folder (default: book/data of this repository)")
+
+
+def list_main(argv: list[str]) -> None:
+    """``list``: every registered results file, what it is, its estimated time and status."""
+    p = argparse.ArgumentParser(prog="python -m gpt2kimi.experiments list",
+                                description=list_main.__doc__)
+    _data_arg(p)
+    args = p.parse_args(argv)
+    data = args.data or results.default_data_dir()
+    width = max(len(name) for name in results.REGISTRY)
+    for entry in results.REGISTRY.values():
+        runs = len(entry.runs())
+        print(f"{entry.name:<{width}}  ch {entry.chapters:<5} {entry.task:<9} {runs:>3} runs "
+              f"~{entry.minutes:g} min  {results.entry_status(entry, data)}")
+        print(f"{'':<{width}}  {entry.description}")
+        print(f"{'':<{width}}  {entry.command}")
+    total = sum(entry.minutes for entry in results.REGISTRY.values())
+    print(f"{len(results.REGISTRY)} files, ~{total:g} min in all on 2 cores (two runs at a time)")
+
+
+def run_main(argv: list[str]) -> None:
+    """``run NAME``: run or resume the sweep of the registered results file NAME."""
+    p = argparse.ArgumentParser(prog="python -m gpt2kimi.experiments run",
+                                description=run_main.__doc__)
+    p.add_argument("name", choices=sorted(results.REGISTRY), metavar="NAME",
+                   help="a results file of the registry (see list)")
+    p.add_argument("--jobs", type=int, default=2, help="parallel single-threaded runs")
+    p.add_argument("--restart", action="store_true",
+                   help="start the file afresh (drops the runs it holds)")
+    _data_arg(p)
+    args = p.parse_args(argv)
+    entry = results.REGISTRY[args.name]
+    if entry.legacy:
+        raise SystemExit(f"{entry.name} is not in the pipeline yet; its command: {entry.command}")
+    out = (args.data or results.default_data_dir()) / entry.path
+    say(f"{entry.name}: {len(entry.runs())} runs of {entry.task} into {out} "
+        f"(~{entry.minutes:g} min on 2 cores)")
+    try:
+        _, records = sweep(get_task(entry.task), entry.grid, entry.seeds, args.jobs, out,
+                           restart=args.restart, log=lambda r: say(_one_line(r)))
+    except ResultsFileError as error:
+        raise SystemExit(str(error)) from None
+    print(f"{out}: {len(records)} of {len(entry.runs())} runs")
+
+
+def _one_line(record: dict) -> str:
+    """A record in one line: its strings and ints, then its scalar floats."""
+    words = [f"{v}" for v in record.values() if isinstance(v, str)]
+    words += [f"{k}={v}" for k, v in record.items() if isinstance(v, (int, float))
+              and not isinstance(v, bool) and k not in ("parameters", "params")]
+    return " ".join(words)
+
+
+def check_main(argv: list[str]) -> None:
+    """``check``: every results file against the registry and today's code; exit 1 on any
+    stale, incomplete, missing or unregistered file."""
+    p = argparse.ArgumentParser(prog="python -m gpt2kimi.experiments check",
+                                description=check_main.__doc__)
+    _data_arg(p)
+    args = p.parse_args(argv)
+    rows = results.check_files(args.data or results.default_data_dir())
+    width = max((len(name) for name, _ in rows), default=0)
+    for name, status in rows:
+        print(f"{name:<{width}}  {status}")
+    bad = sum(status != "current" for _, status in rows)
+    print(f"{len(rows) - bad} current, {bad} not")
+    if bad:
+        raise SystemExit(1)
+
+
 COMMANDS: dict[str, Callable[[list[str]], None]] = {
+    "list": list_main,
+    "run": run_main,
+    "check": check_main,
     "mqar": mqar_main,
     "forget": forget_main,
     "rewrite": rewrite_main,

@@ -26,12 +26,18 @@ def map_jobs(
     job_list: Sequence,
     jobs: int = 1,
     log: Callable[[dict], None] | None = None,
+    ordered: bool = True,
 ) -> list[dict]:
-    """``[run(job) for job in job_list]``, in order; ``log`` sees each record as it finishes.
+    """``[run(job) for job in job_list]``; ``log`` sees each record as it finishes.
 
     With ``jobs > 1``, runs that many worker processes at once, each on one thread so that
     parallel runs do not fight over the cores (``run`` and the jobs must then be picklable).
-    The sweeps of MQAR and of the rewritten-facts task share it.
+    ``ordered=True``: records in job order, each logged once every earlier one is done;
+    ``ordered=False``: each logged the moment it finishes and returned in that order (what a
+    sweep that writes each run at once needs,
+    :func:`gpt2kimi.experiments.pipeline.sweep`). If ``run`` or ``log`` raises, the jobs not
+    started yet are cancelled and the error propagates. The sweeps of MQAR and of the
+    rewritten-facts task share it.
     """
     records: list[dict] = []
     bar = progress(total=len(job_list), desc="runs", unit="run")
@@ -44,17 +50,22 @@ def map_jobs(
         bar.close()
         return records
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import ProcessPoolExecutor, as_completed
 
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(
         max_workers=jobs, mp_context=context, initializer=_one_quiet_thread
     ) as pool:
-        for record in pool.map(run, job_list):
-            records.append(record)
-            bar.update()
-            if log is not None:
-                log(record)
+        futures = [pool.submit(run, job) for job in job_list]
+        try:
+            for future in futures if ordered else as_completed(futures):
+                records.append(future.result())
+                bar.update()
+                if log is not None:
+                    log(records[-1])
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
     bar.close()
     return records
 

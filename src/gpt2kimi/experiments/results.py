@@ -1,0 +1,306 @@
+"""The registry of results files: every file under ``book/data/`` that the book reads, with
+the sweep that writes it, and the checks that tell a current file from a stale one.
+
+An entry (:class:`ResultsEntry`) names its file, the task (:mod:`gpt2kimi.experiments.tasks`),
+the grid and seeds, a one-line description, the chapters that read it, the estimated minutes
+on two cores and its command line, ``python -m gpt2kimi.experiments run NAME``, which runs or
+resumes the sweep through :func:`gpt2kimi.experiments.pipeline.sweep` into ``NAME.jsonl``.
+
+Today's files were written by the older per-experiment commands as single JSON files without a
+code hash; each entry keeps that file as ``legacy_path`` (and the command that wrote it), so
+``check`` reports it stale until it is re-recorded. An entry the pipeline cannot express yet
+would be marked ``legacy=True`` and run only by its legacy command (none is, today).
+
+:func:`entry_status` says whether an entry's file is current (same task, grid, seeds, code hash
+as today, every run present); :func:`check_files` does it for every file of a data folder, as
+``python -m gpt2kimi.experiments check`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpt2kimi.experiments import forget, moe_train, rewrite
+from gpt2kimi.experiments.hybrid_train import MQAR_MIXES
+from gpt2kimi.experiments.pipeline import (
+    FORMAT,
+    PACKAGE_DIR,
+    code_hash,
+    expand_grid,
+    missing_runs,
+    read_results,
+)
+from gpt2kimi.experiments.tasks import get_task
+
+PAIRS = [1, 2, 4, 8]  # chapters 3-6's numbers of key-value pairs
+SEEDS = (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class ResultsEntry:
+    """One results file of the book and the sweep that writes it.
+
+    ``grid``: a dict of lists (their product) or a list of settings dicts, settings the entry
+    does not give at the task's defaults; ``minutes``: the estimated wall-clock time on two
+    cores (two single-threaded runs at once), as measured for today's file; ``legacy_path``,
+    ``legacy_part``, ``legacy_command``: the file the book reads today (``legacy_part``: the
+    key of that file holding this sweep, e.g. ``"live"``) and the command that wrote it.
+    """
+
+    name: str
+    task: str
+    grid: dict[str, list] | Sequence[dict]
+    seeds: tuple[int, ...]
+    description: str
+    chapters: str
+    minutes: float
+    legacy_command: str | None = None
+    legacy_path: str | None = None
+    legacy_part: str | None = None
+    legacy: bool = False
+
+    @property
+    def path(self) -> str:
+        """The file the pipeline writes, relative to the data folder."""
+        return f"{self.name}.jsonl"
+
+    @property
+    def command(self) -> str:
+        """The command line that (re-)records the file."""
+        if self.legacy:
+            return str(self.legacy_command)
+        return f"python -m gpt2kimi.experiments run {self.name}"
+
+    def settings_grid(self) -> list[dict]:
+        """The grid as full settings dicts (the task's defaults filled in), in run order."""
+        task = get_task(self.task)
+        return [task.settings(point) for point in expand_grid(self.grid)]
+
+    def runs(self) -> list[tuple[dict, int]]:
+        """Every (full settings, seed) run of the file."""
+        return [(s, seed) for s in self.settings_grid() for seed in self.seeds]
+
+
+def _mqar(name, mixers, description, chapters, minutes, pairs=PAIRS, seeds=SEEDS, **fixed):
+    """An MQAR entry: mixers × pairs (× any fixed settings), and its legacy command."""
+    grid = {"mixer": list(mixers), "num_pairs": list(pairs), **{k: [v] for k, v in fixed.items()}}
+    flags = [f"--mixers {' '.join(mixers)}"]
+    if list(pairs) != PAIRS:
+        flags.append(f"--pairs {' '.join(map(str, pairs))}")
+    if tuple(seeds) != SEEDS:
+        flags.append(f"--seeds {' '.join(map(str, seeds))}")
+    flags += [f"--{k.removeprefix('train_')} {v}" for k, v in fixed.items()]
+    command = f"python -m gpt2kimi.experiments mqar {' '.join(flags)} --out book/data/{name}.json"
+    return ResultsEntry(name, "mqar", grid, tuple(seeds), description, chapters, minutes,
+                        command, f"{name}.json")
+
+
+def _window(name, mixers, description, minutes, seeds=SEEDS, legacy_command=None,
+            legacy_part=None, **fixed):
+    """A sliding-window recall entry (chapter 5's forgetting task)."""
+    grid = {"mixer": list(mixers), **{k: [v] for k, v in fixed.items()}}
+    if legacy_command is None:
+        lr = f" --lr {fixed['train_lr']:g}" if "train_lr" in fixed else ""
+        legacy_command = (f"python -m gpt2kimi.experiments forget --mixers {' '.join(mixers)}"
+                          f"{lr} --live-mixers --out book/data/{name}.json")
+    legacy_path = "forget_window.json" if legacy_part else f"{name}.json"
+    return ResultsEntry(name, "window", grid, tuple(seeds), description, "5", minutes,
+                        legacy_command, legacy_path, legacy_part)
+
+
+ENTRIES: list[ResultsEntry] = [
+    _mqar("mqar_linear_attention", ["softmax", "linear", "linear_elu"],
+          "MQAR recall of softmax and linear attention (identity and elu+1) against pairs",
+          "3", 33),
+    _mqar("mqar_seeds_3_4_ch3", ["linear", "linear_elu"],
+          "seeds 3-4 of chapter 3's linear attentions where orderings were close (patch file)",
+          "3", 6, pairs=[2, 4, 8], seeds=(3, 4)),
+    _mqar("mqar_deltanet", ["deltanet"], "MQAR recall of DeltaNet against pairs", "4", 13),
+    _mqar("mqar_ablations", ["deltanet_additive", "kda_no_forget"],
+          "DeltaNet with an additive update and KDA without forgetting, at 8 pairs", "4, 5", 6,
+          pairs=[8]),
+    _mqar("mqar_ablations_seeds_3_4", ["deltanet_additive", "kda_no_forget"],
+          "seeds 3-4 of the ablations at 8 pairs (patch file)", "4, 5", 3, pairs=[8],
+          seeds=(3, 4)),
+    _mqar("mqar_seeds_3_4", ["deltanet", "gated_deltanet", "gated_deltanet_sigmoid", "kda"],
+          "seeds 3-4 of the delta-rule mixers at 2-8 pairs (patch file)", "4, 5", 15,
+          pairs=[2, 4, 8], seeds=(3, 4)),
+    _mqar("mqar_seeds_3_4_linear", ["linear"],
+          "seeds 3-4 of linear attention at 4 and 8 pairs (patch file)", "4, 5", 1,
+          pairs=[4, 8], seeds=(3, 4)),
+    _mqar("mqar_gating", ["gated_deltanet", "kda"],
+          "MQAR recall of Gated DeltaNet and KDA against pairs", "5", 24),
+    _mqar("mqar_gdn_sigmoid", ["gated_deltanet_sigmoid"],
+          "MQAR recall of Gated DeltaNet with a sigmoid output gate", "5", 9),
+    _mqar("mqar_gating_live", ["gated_deltanet", "kda"],
+          "the live subset chapter 5 re-runs: 2 pairs, seed 0, 100 steps", "5", 1, pairs=[2],
+          seeds=(0,), train_steps=100),
+    _mqar("mqar_lr_1e-3", ["gated_deltanet", "kda"],
+          "the learning-rate check at 8 pairs: lr 1e-3", "5", 13, pairs=[8], train_lr=1e-3),
+    _mqar("mqar_lr_1e-3_more", ["deltanet", "gated_deltanet_sigmoid"],
+          "the learning-rate check at 8 pairs, lr 1e-3, two more mixers (patch file)", "5", 3,
+          pairs=[8], train_lr=1e-3),
+    _mqar("mqar_lr_1e-2", ["gated_deltanet", "kda"],
+          "the learning-rate check at 8 pairs: lr 1e-2", "5", 5, pairs=[8], train_lr=1e-2),
+    _mqar("mqar_lr_1e-2_more", ["deltanet", "gated_deltanet_sigmoid"],
+          "the learning-rate check at 8 pairs, lr 1e-2, two more mixers (patch file)", "5", 3,
+          pairs=[8], train_lr=1e-2),
+    ResultsEntry(
+        "rewrite_gating", "rewrite", {"mixer": rewrite.COMPARED, "num_keys": [2, 4, 8]}, SEEDS,
+        "rewritten facts: accuracy and stale answers of six mixers at 2-8 keys", "5", 27,
+        "python -m gpt2kimi.experiments rewrite", "rewrite_gating.json"),
+    ResultsEntry(
+        "rewrite_gating_live", "rewrite",
+        {"mixer": rewrite.LIVE, "num_keys": [2], "train_steps": [100]}, (0,),
+        "the live subset chapter 5 re-runs: 2 keys, seed 0, 100 steps", "5", 0.5,
+        "python -m gpt2kimi.experiments rewrite", "rewrite_gating.json", "live"),
+    _window("forget_window", forget.COMPARED,
+            "sliding-window recall, 24 facts into 8x8 memories: six mixers", 56,
+            legacy_command="python -m gpt2kimi.experiments forget"),
+    _window("forget_window_live", forget.LIVE,
+            "the live subset chapter 5 re-runs: seed 0, 150 steps", 1.5, seeds=(0,),
+            legacy_command="python -m gpt2kimi.experiments forget", legacy_part="live",
+            train_steps=150),
+    _window("forget_gdn_sigmoid", ["gated_deltanet_sigmoid"],
+            "sliding-window recall of Gated DeltaNet with a sigmoid output gate", 3),
+    _window("forget_lr_1e-2", ["deltanet", "kda", "kda_no_forget", "gated_deltanet_sigmoid"],
+            "sliding-window recall at the higher learning rate 1e-2", 12, train_lr=1e-2),
+    _mqar("mqar_mla", ["mla"], "MQAR recall of MLA against pairs", "6", 24),
+    _mqar("mqar_mla_live", ["softmax", "mla"],
+          "the live subset chapter 6 re-runs: 4 pairs, seed 0, 100 steps", "6", 2.5,
+          pairs=[4], seeds=(0,), train_steps=100),
+    ResultsEntry(
+        "moe_train", "lm_moe", {"variant": list(moe_train.VARIANTS)}, (0,),
+        "byte LM: dense FFN against MoE (no balancing, aux loss, bias update), one seed", "7",
+        15, "python -m gpt2kimi.experiments moe-train", "moe_train.json"),
+    ResultsEntry(
+        "moe_train_live", "lm_moe", {"variant": ["dense", "moe_bias"], "steps": [150]}, (0,),
+        "the live subset chapter 7 re-runs: dense and moe_bias, 150 steps", "7", 1.5,
+        "python -m gpt2kimi.experiments moe-train --variants dense moe_bias --steps 150 "
+        "--out book/data/moe_train_live.json", "moe_train_live.json"),
+    ResultsEntry(
+        "hybrid_lm", "lm_hybrid", {"model": ["gpt2", "3:1", "0:1", "1:1", "all-KDA"]}, SEEDS,
+        "byte LM: GPT-2 of equal active parameters against the hybrid at four KDA:MLA mixes",
+        "8", 6, "python -m gpt2kimi.experiments hybrid --train lm --out book/data/hybrid_lm.json",
+        "hybrid_lm.json"),
+    ResultsEntry(
+        "hybrid_mqar", "mqar", {"mixer": list(MQAR_MIXES), "num_pairs": PAIRS}, SEEDS,
+        "MQAR recall of the hybrid (KDA then MLA), pure KDA and pure MLA against pairs", "8",
+        27, "python -m gpt2kimi.experiments hybrid --train mqar --out book/data/hybrid_mqar.json",
+        "hybrid_mqar.json"),
+]
+REGISTRY: dict[str, ResultsEntry] = {entry.name: entry for entry in ENTRIES}
+
+
+def default_data_dir() -> Path:
+    """``book/data`` of the working directory if it has one, else of the repository that holds
+    the library's source."""
+    for base in (Path.cwd(), PACKAGE_DIR.parents[1]):
+        if (base / "book" / "data").is_dir():
+            return base / "book" / "data"
+    return Path.cwd() / "book" / "data"
+
+
+# ----------------------------------------------------------------------------------------------
+# is a file current?
+
+
+def file_status(entry: ResultsEntry, path: Path, today: str | None = None) -> str:
+    """``"current"`` or why the pipeline file ``path`` of ``entry`` is stale: another task,
+    grid or seeds than the registry's, another code hash than today's (``today``, default
+    :func:`~gpt2kimi.experiments.pipeline.code_hash`), or runs still missing."""
+    today = code_hash() if today is None else today
+    header, _ = read_results(path)
+    if header.get("format") != FORMAT:
+        return f"stale: not a {FORMAT} file"
+    if header["task"] != entry.task:
+        return f"stale: task {header['task']!r}, registry {entry.task!r}"
+    if header["grid"] != entry.settings_grid():
+        return "stale: its settings differ from the registry's"
+    if header["seeds"] != list(entry.seeds):
+        return f"stale: seeds {header['seeds']}, registry {list(entry.seeds)}"
+    if header["code"]["hash"] != today:
+        return (f"stale: recorded by code {header['code']['hash'][:12]}, today's is "
+                f"{today[:12]}")
+    missing = len(missing_runs(path))
+    if missing:
+        return f"incomplete: {missing} of {len(entry.runs())} runs missing (run resumes it)"
+    return "current"
+
+
+def entry_status(entry: ResultsEntry, data_dir: Path, today: str | None = None) -> str:
+    """The status of ``entry`` in ``data_dir``: its pipeline file's (:func:`file_status`), or
+    ``"stale: legacy file ..."`` when only today's older file exists, or ``"missing"``."""
+    path = data_dir / entry.path
+    if path.exists():
+        return file_status(entry, path, today)
+    if entry.legacy_path and (data_dir / entry.legacy_path).exists():
+        part = f" (its {entry.legacy_part!r} part)" if entry.legacy_part else ""
+        return f"stale: legacy file {entry.legacy_path}{part}, older code, no code hash"
+    return "missing"
+
+
+def check_files(
+    data_dir: Path, registry: dict[str, ResultsEntry] | None = None, today: str | None = None
+) -> list[tuple[str, str]]:
+    """``(file, status)`` for every ``*.json`` and ``*.jsonl`` file in ``data_dir`` and every
+    registered file missing there; ``status`` is ``"current"`` only for a pipeline file whose
+    task, grid, seeds and code hash equal the registry's and today's, with every run present.
+    A file no entry names is ``"unregistered"``; a legacy file is stale."""
+    registry = REGISTRY if registry is None else registry
+    today = code_hash() if today is None else today
+    by_path = {entry.path: entry for entry in registry.values()}
+    by_legacy: dict[str, list[str]] = {}
+    for entry in registry.values():
+        if entry.legacy_path:
+            by_legacy.setdefault(entry.legacy_path, []).append(entry.name)
+    rows = []
+    files = sorted([*data_dir.glob("*.json"), *data_dir.glob("*.jsonl")])
+    for path in files:
+        if path.name in by_path:
+            rows.append((path.name, file_status(by_path[path.name], path, today)))
+        elif path.name in by_legacy:
+            names = " ".join(by_legacy[path.name])
+            rows.append((path.name, "stale: legacy file recorded by older code without a code "
+                                    f"hash; re-record it with: run {names}"))
+        else:
+            rows.append((path.name, "unregistered: no entry of the registry names it"))
+    present = {path.name for path in files}
+    for entry in registry.values():
+        if entry.path not in present and entry.legacy_path not in present:
+            rows.append((entry.path, "missing"))
+    return rows
+
+
+def legacy_differences(entry: ResultsEntry, data_dir: Path) -> list[str]:
+    """How ``entry``'s legacy file differs from the registry (empty: registered faithfully).
+
+    Compares every scalar setting the file records that the task also takes, and the runs:
+    each record's task settings (``mixer``, ``num_pairs``, ...) and seed against the registry's
+    runs, as multisets.
+    """
+    header, records = read_results(data_dir / str(entry.legacy_path))
+    if entry.legacy_part:
+        header, records = header[entry.legacy_part], header[entry.legacy_part]["results"]
+    # the file's settings, with those of its model (forget_window.json) beside them
+    settings = {**header.get("settings", {}).get("model", {}), **header["settings"]}
+    task, runs = get_task(entry.task), entry.runs()
+    differences = []
+    for key, value in settings.items():
+        if key in task.defaults and not isinstance(value, (list, dict)):
+            registered = sorted({s[key] for s, _ in runs}, key=repr)
+            if registered != [value]:
+                differences.append(f"{key}: file {value!r}, registry {registered}")
+    keys = [k for k in task.defaults if records and k in records[0]]
+
+    def run(values: dict, seed: int) -> tuple:
+        return (*(repr(values[k]) for k in keys), seed)
+
+    in_file = sorted(run(r, r.get("seed", settings.get("seed"))) for r in records)
+    in_registry = sorted(run(s, seed) for s, seed in runs)
+    if in_file != in_registry:
+        differences.append(f"runs ({', '.join(keys)}, seed): file {in_file}, "
+                           f"registry {in_registry}")
+    return differences

@@ -1,0 +1,246 @@
+"""The experiment pipeline: tasks, the resumable sweep, its results files and their registry."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from gpt2kimi.experiments import results
+from gpt2kimi.experiments.__main__ import main
+from gpt2kimi.experiments.mqar import MQARTraining, run_mqar
+from gpt2kimi.experiments.pipeline import (
+    ResultsFileError,
+    code_hash,
+    expand_grid,
+    missing_runs,
+    read_results,
+    sweep,
+)
+from gpt2kimi.experiments.results import REGISTRY, ResultsEntry, check_files, legacy_differences
+from gpt2kimi.experiments.tasks import MQAR, TASKS
+
+DATA = Path(__file__).resolve().parents[1] / "book" / "data"
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# a few steps of tiny models: every run well under a second
+TINY_RECALL = dict(d_model=16, train_steps=3, train_warmup_steps=1, train_eval_sequences=32,
+                   train_batch_size=8)
+TINY_LM = dict(steps=3, warmup_steps=1, eval_interval=3, eval_batches=1, batch_size=4)
+TINY = {
+    "mqar": dict(mixer="linear", num_pairs=2, **TINY_RECALL),
+    "rewrite": dict(mixer="kda", num_keys=2, **TINY_RECALL),
+    "window": dict(mixer="deltanet", **TINY_RECALL),
+    "lm_moe": dict(variant="moe_bias", d_model=16, expert_hidden=16, **TINY_LM),
+    "lm_hybrid": dict(model="3:1", **TINY_LM),
+}
+# the results file whose records each task's must match, and a record of the same kind in it
+TODAYS_FILE = {
+    "mqar": ("mqar_linear_attention.json", {}),
+    "rewrite": ("rewrite_gating.json", {}),
+    "window": ("forget_window.json", {}),
+    "lm_moe": ("moe_train.json", {"variant": "moe_bias"}),
+    "lm_hybrid": ("hybrid_lm.json", {"model": "3:1"}),
+}
+
+
+def tiny_mqar_grid(n: int = 2, steps: int = 3) -> list[dict]:
+    return [{"mixer": "linear", "num_pairs": p, **TINY_RECALL, "train_steps": steps}
+            for p in range(1, n + 1)]
+
+
+def record_lines(path: Path) -> list[dict]:
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return [line for line in lines[1:] if "record" in line]
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_each_task_records_the_fields_todays_files_hold(name):
+    record = TASKS[name].train_and_score(TINY[name], seed=1)
+    file, cell = TODAYS_FILE[name]
+    _, todays = read_results(DATA / file)
+    like = next(r for r in todays if all(r[k] == v for k, v in cell.items()))
+    assert set(like) <= set(record)  # chapters read these
+    assert set(record) - set(like) <= {"seed"}  # chapter 7's file had the seed in its settings
+    assert record["seed"] == 1
+    json.dumps(record)  # JSON-ready
+    floats = [v for v in record.values() if isinstance(v, float)]
+    assert all(round(v, 4) == v for v in floats)
+
+
+def test_the_mqar_task_is_run_mqar():
+    record = MQAR.train_and_score(TINY["mqar"], seed=2)
+    training = MQARTraining(steps=3, warmup_steps=1, eval_sequences=32, batch_size=8)
+    legacy = run_mqar("linear", 2, seed=2, d_model=16, training=training)
+    for key in ("mixer", "num_pairs", "seed", "accuracy", "final_loss"):
+        assert record[key] == legacy[key]
+
+
+def test_settings_and_grids():
+    with pytest.raises(KeyError, match="takes no setting 'num_pair'"):
+        MQAR.settings({"num_pair": 3})
+    assert MQAR.settings({"num_pairs": 3})["num_pairs"] == 3
+    assert expand_grid({"a": [1, 2], "b": ["x", "y"]}) == [
+        {"a": 1, "b": "x"}, {"a": 1, "b": "y"}, {"a": 2, "b": "x"}, {"a": 2, "b": "y"}]
+    assert expand_grid([{"a": 1}]) == [{"a": 1}]
+
+
+def test_code_hash_follows_every_source_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "sub" / "b.py").write_text("y = 2\n")
+    (tmp_path / "notes.txt").write_text("not code")
+    first = code_hash(tmp_path)
+    assert len(first) == 64 and code_hash(tmp_path) == first
+    (tmp_path / "notes.txt").write_text("still not code")
+    assert code_hash(tmp_path) == first
+    (tmp_path / "sub" / "b.py").write_text("y = 3\n")
+    assert code_hash(tmp_path) != first
+    assert len(code_hash()) == 64  # the library's own
+
+
+def test_sweep_appends_each_run_as_it_finishes_and_a_rerun_does_nothing(tmp_path):
+    out = tmp_path / "runs.jsonl"
+    on_disk = []
+    header, records = sweep(MQAR, tiny_mqar_grid(), [0, 1], out=out,
+                            log=lambda r: on_disk.append(len(record_lines(out))))
+    assert on_disk == [1, 2, 3, 4]  # each run is in the file when it is reported
+    assert [(r["num_pairs"], r["seed"]) for r in records] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert all(r["run_seconds"] >= 0 for r in records)
+    assert header["task"] == "mqar" and header["seeds"] == [0, 1]
+    assert header["code"]["hash"] == code_hash() and header["machine"]["parallel_runs"] == 1
+    assert header["grid"] == [MQAR.settings(s) for s in tiny_mqar_grid()]
+    before = out.read_bytes()
+    again = []
+    _, records_again = sweep(MQAR, tiny_mqar_grid(), [0, 1], out=out, log=again.append)
+    assert again == [] and out.read_bytes() == before and records_again == records
+    assert read_results(out) == (header, records)
+
+
+def test_a_sweep_in_worker_processes_appends_every_run(tmp_path):
+    out = tmp_path / "runs.jsonl"
+    header, records = sweep(MQAR, tiny_mqar_grid(), [0, 1], jobs=2, out=out)
+    assert len(records) == len(record_lines(out)) == 4
+    assert header["machine"]["threads_per_run"] == 1 and missing_runs(out) == []
+
+
+KILLED_SWEEP = """
+from gpt2kimi.experiments.pipeline import sweep
+from gpt2kimi.experiments.tasks import MQAR
+grid = {grid!r}
+sweep(MQAR, grid, [0], jobs=1, out={out!r})
+"""
+
+
+def test_a_killed_sweep_loses_only_the_run_in_flight(tmp_path):
+    out = tmp_path / "runs.jsonl"
+    grid = tiny_mqar_grid(4, steps=60)  # runs long enough to kill the sweep between two
+    script = KILLED_SWEEP.format(grid=grid, out=str(out))
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    process = subprocess.Popen([sys.executable, "-c", script], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (out.exists() and record_lines(out)):
+        assert process.poll() is None, "the sweep ended before it wrote a run"
+        assert time.monotonic() < deadline, "no run written in time"
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    done = len(record_lines(out))
+    assert 1 <= done < 4, "kill the sweep while runs remain (make the runs longer)"
+    _, records = sweep(MQAR, grid, [0], out=out)
+    lines = record_lines(out)
+    keys = sorted((line["settings"]["num_pairs"], line["seed"]) for line in lines)
+    assert keys == [(1, 0), (2, 0), (3, 0), (4, 0)]  # every run exactly once
+    assert [r["num_pairs"] for r in records] == [1, 2, 3, 4]
+
+
+def test_a_line_cut_short_is_ignored_and_its_run_redone(tmp_path):
+    out = tmp_path / "runs.jsonl"
+    sweep(MQAR, tiny_mqar_grid(), [0], out=out)
+    out.write_bytes(out.read_bytes()[:-25])  # the last run's line, cut by a kill mid-write
+    header, records = read_results(out)
+    assert [r["num_pairs"] for r in records] == [1]
+    assert missing_runs(out) == [(header["grid"][1], 0)]
+    redone = []
+    _, records = sweep(MQAR, tiny_mqar_grid(), [0], out=out, log=redone.append)
+    assert [r["num_pairs"] for r in redone] == [2] and len(records) == 2
+    lines = out.read_text().splitlines()
+    assert all(json.loads(line) for line in lines)  # the cut line is gone, every line parses
+    assert "session" in json.loads(lines[2])  # the resume says when and where it ran
+
+
+def test_a_file_of_other_code_or_another_sweep_is_refused(tmp_path):
+    out = tmp_path / "runs.jsonl"
+    sweep(MQAR, tiny_mqar_grid(1), [0], out=out)
+    lines = out.read_text().splitlines()
+    header = json.loads(lines[0])
+    header["code"]["hash"] = "0" * 64
+    out.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    before = out.read_bytes()
+    with pytest.raises(ResultsFileError, match=f"code hash 0{{64}} in the file, {code_hash()}"):
+        sweep(MQAR, tiny_mqar_grid(1), [0], out=out)
+    with pytest.raises(ResultsFileError, match="seeds differs"):
+        sweep(MQAR, tiny_mqar_grid(1), [0, 1, 2], out=out)
+    assert out.read_bytes() == before
+    header, records = sweep(MQAR, tiny_mqar_grid(1), [0, 1], out=out, restart=True)
+    assert header["code"]["hash"] == code_hash() and len(records) == 2
+
+
+def test_read_results_reads_todays_json_files():
+    header, records = read_results(DATA / "mqar_linear_attention.json")
+    assert header["format"] == "legacy"
+    assert header["settings"]["mixers"] == ["softmax", "linear", "linear_elu"]
+    assert len(records) == 36 and set(records[0]) >= {"mixer", "num_pairs", "seed", "accuracy"}
+    header, records = read_results(DATA / "rewrite_gating.json")
+    assert len(records) == 54 and len(header["live"]["results"]) == 3
+
+
+def test_every_file_of_the_book_is_registered_faithfully():
+    rows = check_files(DATA)
+    assert {name for name, _ in rows} == {p.name for p in DATA.glob("*.json*")}
+    assert not [row for row in rows if not row[1].startswith("stale: legacy file")]
+    for entry in REGISTRY.values():
+        assert legacy_differences(entry, DATA) == [], entry.name
+    wrong = replace(REGISTRY["mqar_lr_1e-3"], legacy_path="mqar_lr_1e-2.json")
+    assert legacy_differences(wrong, DATA) == ["train_lr: file 0.01, registry [0.001]"]
+    wrong = replace(REGISTRY["mqar_gating"], seeds=(0, 1))
+    assert legacy_differences(wrong, DATA)[0].startswith("runs (mixer, num_pairs, seed)")
+
+
+def test_check_passes_a_current_file_and_fails_a_stale_or_unregistered_one(
+    tmp_path, monkeypatch, capsys
+):
+    entry = ResultsEntry("tiny", "mqar", tiny_mqar_grid(1), (0,), "a tiny sweep", "-", 0.1)
+    monkeypatch.setattr(results, "REGISTRY", {"tiny": entry})
+    main(["run", "tiny", "--jobs", "1", "--data", str(tmp_path)])
+    assert results.entry_status(entry, tmp_path) == "current"
+    main(["check", "--data", str(tmp_path)])  # exit status 0
+    assert "tiny.jsonl  current" in capsys.readouterr().out
+
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_:
+        main(["check", "--data", str(tmp_path)])
+    assert exit_.value.code == 1
+    assert "other.json  unregistered" in capsys.readouterr().out
+    (tmp_path / "other.json").unlink()
+
+    path = tmp_path / "tiny.jsonl"
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0])
+    header["code"]["hash"] = "0" * 64  # recorded by other code
+    path.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["check", "--data", str(tmp_path)])
+    assert exit_.value.code == 1
+    assert "stale: recorded by code 000000000000" in capsys.readouterr().out
+
+    other = replace(entry, seeds=(0, 1))  # the registry asks for more than the file holds
+    assert results.entry_status(other, tmp_path).startswith("stale: seeds [0]")
+    main(["list", "--data", str(tmp_path)])
+    assert "python -m gpt2kimi.experiments run tiny" in capsys.readouterr().out
