@@ -88,3 +88,17 @@ def test_a_file_that_is_not_utf8_names_the_file_and_the_byte(tmp_path):
     path.write_bytes(b"a" * 100_000 + b"\xc3")
     with pytest.raises(ValueError, match="offset 100000 "):
         load_corpus(path)
+
+
+def test_the_builtin_corpus_is_shipped_and_checked(tmp_path):
+    """The corpus is a file of the project, not the interpreter's docs (which change between
+    Python releases); a changed or missing file is a clear error, never other training text."""
+    from gpt2kimi.data import CORPUS_PATH
+
+    assert len(builtin_text()) == 465_126  # Python 3.11's topics, sorted by name
+    changed = tmp_path / "corpus.txt"
+    changed.write_bytes(CORPUS_PATH.read_bytes() + b" ")
+    with pytest.raises(ValueError, match="has SHA-256 .* expected .*not the text"):
+        builtin_text(changed)
+    with pytest.raises(ValueError, match="is missing: it ships with the project"):
+        builtin_text(tmp_path / "nowhere.txt")

@@ -297,3 +297,16 @@ def test_an_empty_sequence_is_a_clear_error():
         model(torch.zeros(1, 0, dtype=torch.long))
     with pytest.raises(ValueError, match=r"must lie in \[0, 64\)"):
         model(torch.full((1, 3), 64))
+
+
+def test_the_hybrid_runs_under_bf16_autocast():
+    config = tiny_config()
+    torch.manual_seed(0)
+    model = KimiHybrid(config).eval()
+    idx = torch.randint(0, config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = model(idx)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(idx)
+    assert torch.isfinite(logits).all()
+    assert (logits.float() - expected).abs().max() < 0.2 * expected.abs().max()

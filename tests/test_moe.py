@@ -140,6 +140,19 @@ def test_dispatch_equals_the_per_token_loop(overrides):
         torch.testing.assert_close(moe(x), moe_reference(moe, x), rtol=1e-12, atol=1e-12)
 
 
+def test_bf16_autocast_runs_and_stays_close_to_fp32():
+    """Under torch.autocast the experts compute in bf16 and the outputs accumulate in x's
+    dtype (index_add_ of a bf16 expert output into an fp32 buffer used to raise)."""
+    moe = random_moe().float()
+    x = torch.randn(2, 13, moe.config.d_model)
+    with torch.no_grad():
+        expected = moe(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = moe(x)
+    assert y.dtype == x.dtype
+    torch.testing.assert_close(y, expected, atol=0.1, rtol=0.05)  # bf16 has 8 bits of mantissa
+
+
 def test_experts_without_tokens_are_skipped_and_empty_input_works():
     moe = random_moe(n_experts=64, top_k=2, n_group=1, topk_group=1)
     x = torch.randn(1, 3, moe.config.d_model, dtype=torch.float64)  # 6 copies, 64 experts

@@ -1,12 +1,16 @@
 """Text data for every chapter: a byte-level tokenizer, a built-in corpus, and random batches.
 
-The built-in corpus is the English text of Python's own reference documentation, which ships with
-every CPython installation as ``pydoc_data.topics`` (about 465 KB). Nothing is downloaded. A reader
-can point :func:`load_corpus` at any UTF-8 text file instead.
+The built-in corpus is the English text of Python's own reference documentation (CPython 3.11's
+``pydoc_data.topics``, the topics sorted by name, about 466 KB, PSF licence), shipped with the
+project as ``book/data/corpus.txt`` and checked against its SHA-256 at every load: every
+interpreter trains on the same text (the topics differ between Python releases: 3.12's are 7%
+longer). Nothing is downloaded. A reader can point :func:`load_corpus` at any UTF-8 text file
+instead.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -37,11 +41,29 @@ class ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
-def builtin_text() -> str:
-    """Python's reference documentation as one string (the topics sorted by name)."""
-    from pydoc_data.topics import topics
+CORPUS_PATH = Path(__file__).resolve().parents[2] / "book" / "data" / "corpus.txt"
+CORPUS_SHA256 = "71f2ff5d99bdc1f9c48c5c2353ad138201c5ca1c377e0226857ef8fa89b8bcee"
 
-    return "\n\n".join(topics[name] for name in sorted(topics))
+
+def builtin_text(path: Path = CORPUS_PATH) -> str:
+    """The built-in corpus, Python 3.11's reference documentation, as one string.
+
+    Raises ``ValueError`` if the file is missing or is not the text the book's results were
+    recorded on (its SHA-256 differs).
+    """
+    if not path.exists():
+        raise ValueError(
+            f"the built-in corpus {path} is missing: it ships with the project (book/data/); "
+            "restore it with git, or pass load_corpus a path to your own UTF-8 text"
+        )
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != CORPUS_SHA256:
+        raise ValueError(
+            f"the built-in corpus {path} has SHA-256 {digest}, expected {CORPUS_SHA256}: it is "
+            "not the text the book's results were recorded on (restore it with git)"
+        )
+    return data.decode("utf-8")
 
 
 @dataclass

@@ -123,9 +123,9 @@ def dispatch(x: Tensor, routing: Routing, gate_up_proj: Tensor, down_proj: Tenso
             continue  # an idle expert: no work at all
         rows = slice(start, start + count)
         x_e = x.index_select(0, token[rows])  # this expert's tokens, gathered
-        out.index_add_(
-            0, token[rows], swiglu_expert(x_e, gate_up_proj[e], down_proj[e], weight[rows])
-        )
+        y_e = swiglu_expert(x_e, gate_up_proj[e], down_proj[e], weight[rows])
+        # under autocast the expert computes in bf16: accumulate in x's own dtype
+        out.index_add_(0, token[rows], y_e.to(out.dtype))
         start += count
     return out
 
