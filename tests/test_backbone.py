@@ -60,11 +60,11 @@ def test_head_is_tied_to_the_embedding():
 
 
 @pytest.mark.parametrize("short_conv", [0, 3])
-@pytest.mark.parametrize("n_positions", [None, 16])
-def test_the_model_is_causal(short_conv, n_positions):
+@pytest.mark.parametrize("block_size", [None, 16])
+def test_the_model_is_causal(short_conv, block_size):
     torch.manual_seed(0)
     cfg = BackboneConfig(
-        vocab_size=50, d_model=32, n_head=4, short_conv=short_conv, n_positions=n_positions
+        vocab_size=50, d_model=32, n_head=4, short_conv=short_conv, block_size=block_size
     )
     model = LanguageModel(cfg, SoftmaxAttention).eval()
     x = ids(T=12)
@@ -125,19 +125,19 @@ def test_config_errors_are_clear():
         BackboneConfig(vocab_size=10, short_conv=-1)
     with pytest.raises(ValueError, match="norm must be one of"):
         BackboneConfig(vocab_size=10, norm="batchnorm")
-    with pytest.raises(ValueError, match="n_positions"):
-        BackboneConfig(vocab_size=10, n_positions=0)
+    with pytest.raises(ValueError, match="block_size"):
+        BackboneConfig(vocab_size=10, block_size=0)
 
 
 def test_input_errors_are_clear():
     model = LanguageModel(
-        BackboneConfig(vocab_size=50, d_model=32, n_head=4, n_positions=8), CausalMean
+        BackboneConfig(vocab_size=50, d_model=32, n_head=4, block_size=8), CausalMean
     )
     with pytest.raises(ValueError, match=r"shape \[B, T\]"):
         model(torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match="must lie in"):
         model(torch.full((1, 4), 50))
-    with pytest.raises(ValueError, match="longer than n_positions=8"):
+    with pytest.raises(ValueError, match="longer than block_size=8"):
         model(torch.zeros(1, 9, dtype=torch.long))
     with pytest.raises(ValueError, match="must be integers"):
         model(torch.zeros(1, 4))
@@ -160,7 +160,7 @@ def test_a_mixer_with_the_wrong_output_shape_is_reported():
 
 def test_nope_by_default_and_learned_positions_on_request():
     assert LanguageModel(CFG, CausalMean).pos_embed is None
-    cfg = BackboneConfig(vocab_size=50, d_model=32, n_head=4, n_positions=16)
+    cfg = BackboneConfig(vocab_size=50, d_model=32, n_head=4, block_size=16)
     assert LanguageModel(cfg, CausalMean).pos_embed.weight.shape == (16, 32)
 
 
@@ -198,7 +198,7 @@ def test_a_mixer_without_the_state_contract_trains_but_cannot_decode():
 
 def test_decoding_with_a_cache_equals_one_pass_and_counts_positions():
     torch.manual_seed(0)
-    cfg = BackboneConfig(vocab_size=50, d_model=32, n_head=4, n_positions=12, short_conv=2)
+    cfg = BackboneConfig(vocab_size=50, d_model=32, n_head=4, block_size=12, short_conv=2)
     model = LanguageModel(cfg, SoftmaxAttention).eval()
     x = ids(T=12)
     with torch.no_grad():
@@ -210,7 +210,7 @@ def test_decoding_with_a_cache_equals_one_pass_and_counts_positions():
     assert cache.pos == 12
     per_layer = 2 * 2 * 12 * 32 * 4 + 2 * 1 * 32 * 4  # k and v of 12 tokens; the shift's last one
     assert cache.nbytes == cfg.n_layer * per_layer
-    with pytest.raises(ValueError, match="longer than n_positions=12"):
+    with pytest.raises(ValueError, match="longer than block_size=12"):
         model(x[:, :1], cache=cache)
 
 

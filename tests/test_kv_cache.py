@@ -90,15 +90,15 @@ def test_zero_new_tokens_and_a_full_block():
 
 def test_going_past_block_size_is_a_clear_error():
     model = tiny_model()
-    with pytest.raises(ValueError, match="longer than n_positions=32"):
+    with pytest.raises(ValueError, match="longer than block_size=32"):
         generate(model, prompt(1, 30), 3)
-    with pytest.raises(ValueError, match="longer than n_positions=32"):
+    with pytest.raises(ValueError, match="longer than block_size=32"):
         generate(model, prompt(1, 30), 3, use_cache=False)
-    with pytest.raises(ValueError, match="longer than n_positions"):
+    with pytest.raises(ValueError, match="longer than block_size"):
         model.new_cache(1, max_len=33)
     cache = model.new_cache(1)
     model(prompt(1, 30), cache=cache)
-    with pytest.raises(ValueError, match="longer than n_positions=32"):
+    with pytest.raises(ValueError, match="longer than block_size=32"):
         model(prompt(1, 3), cache=cache)
 
 

@@ -66,7 +66,7 @@ def test_feed_forward_by_name_or_constructor():
 
 def test_mqar_model_is_the_backbone_without_positions_with_a_short_conv():
     cfg = mqar_model_config()
-    assert cfg.n_positions is None and cfg.short_conv == 2
+    assert cfg.block_size is None and cfg.short_conv == 2
     assert isinstance(build_model("softmax", cfg), LanguageModel)
 
 
@@ -121,7 +121,7 @@ def hybrid_of_every_mixer(**options):
 
 
 def test_one_generate_serves_a_hybrid_with_learned_positions():
-    model = hybrid_of_every_mixer(n_positions=24)
+    model = hybrid_of_every_mixer(block_size=24)
     prompt = torch.randint(0, 40, (3, 4), generator=torch.Generator().manual_seed(2))
     sampled = [
         generate(
@@ -136,7 +136,7 @@ def test_one_generate_serves_a_hybrid_with_learned_positions():
         for use_cache in (True, False)
     ]
     assert torch.equal(sampled[0], sampled[1])
-    with pytest.raises(ValueError, match="longer than n_positions=24"):
+    with pytest.raises(ValueError, match="longer than block_size=24"):
         generate(model, prompt, 21)
 
 

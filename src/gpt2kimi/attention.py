@@ -194,7 +194,7 @@ class GPT2WithCache(LanguageModel):
             d_model=config.n_embd,
             n_layer=config.n_layer,
             n_head=config.n_head,
-            n_positions=config.block_size,
+            block_size=config.block_size,
             norm="layernorm",
             norm_eps=config.layer_norm_eps,
             dropout=config.dropout,

@@ -48,7 +48,7 @@ and every mix of mixers, chapter 2's ``GPT2WithCache`` included.
 Positions: by default there is no positional embedding at all (NoPE), as in the MLA layers of
 Kimi Linear: a causal mask already tells a token which tokens came before it, and mixers with a
 short convolution (DeltaNet and its successors) see local order directly. Set
-``n_positions`` to add GPT-2's learned absolute positions instead, or ``short_conv`` to put a
+``block_size`` to add GPT-2's learned absolute positions instead, or ``short_conv`` to put a
 token shift (:class:`TokenShift`, a short causal convolution) in front of every mixer, which
 gives every token its predecessors whatever the mixer (the MQAR experiments use it).
 """
@@ -83,7 +83,7 @@ class BackboneConfig:
     d_model: int = 64
     n_layer: int = 2
     n_head: int | None = 2  # passed to each mixer constructor; None where mixers bring their own
-    n_positions: int | None = None  # learned positions for this many tokens; None: NoPE
+    block_size: int | None = None  # learned positions for this many tokens; None: NoPE
     short_conv: int = 0  # taps of a causal convolution in front of every mixer; 0: none
     norm: str = "rmsnorm"  # or "layernorm"
     norm_eps: float = 1e-5
@@ -100,8 +100,8 @@ class BackboneConfig:
                 f"d_model={self.d_model} is not divisible by n_head={self.n_head}: "
                 "each head needs an equal share of the model width"
             )
-        if self.n_positions is not None and self.n_positions < 1:
-            raise ValueError(f"n_positions must be None (NoPE) or >= 1, got {self.n_positions}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block_size must be None (NoPE) or >= 1, got {self.block_size}")
         if self.short_conv < 0:
             raise ValueError(
                 f"short_conv must be 0 (none) or a kernel size >= 1, got {self.short_conv}"
@@ -426,7 +426,7 @@ class LanguageModel(nn.Module):
         ffns = per_layer(SwiGLU if ffn is None else ffn, config.n_layer, "ffn")
         d = config.d_model
         self.embed = nn.Embedding(config.vocab_size, d)
-        self.pos_embed = None if config.n_positions is None else nn.Embedding(config.n_positions, d)
+        self.pos_embed = None if config.block_size is None else nn.Embedding(config.block_size, d)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(
             [Block(config, m(d, config.n_head), f(d)) for m, f in zip(mixers, ffns, strict=True)]
@@ -460,14 +460,14 @@ class LanguageModel(nn.Module):
 
         A mixer with ``init_state`` allocates its state now (a KV cache with room for ``max_len``
         tokens, in the model's dtype and device); the others start from None. ``max_len``
-        defaults to ``n_positions``, and may not exceed it.
+        defaults to ``block_size``, and may not exceed it.
         """
-        n_pos = self.config.n_positions
+        n_pos = self.config.block_size
         if max_len is None:
             max_len = n_pos
         if max_len is not None and n_pos is not None and max_len > n_pos:
             raise ValueError(
-                f"max_len={max_len} is longer than n_positions={n_pos}: the model has no "
+                f"max_len={max_len} is longer than block_size={n_pos}: the model has no "
                 "position embedding beyond it"
             )
         for i, block in enumerate(self.blocks):
@@ -508,10 +508,10 @@ class LanguageModel(nn.Module):
                 f"a sequence needs at least one token: expected ids of shape [B, T] with T >= 1, "
                 f"got {tuple(idx.shape)}"
             )
-        n_pos = self.config.n_positions
+        n_pos = self.config.block_size
         if n_pos is not None and start + idx.size(1) > n_pos:
             raise ValueError(
-                f"sequence of {start + idx.size(1)} tokens is longer than n_positions={n_pos}, "
+                f"sequence of {start + idx.size(1)} tokens is longer than block_size={n_pos}, "
                 "the number of learned positions"
             )
         if start == 0 and idx.numel() and (idx.min() < 0 or idx.max() >= self.config.vocab_size):

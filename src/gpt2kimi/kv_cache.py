@@ -123,7 +123,7 @@ def check_generate_args(
 ) -> None:
     """Raise a clear error before :func:`generate` starts: prompts must be ``[B, T]`` with
     T >= 1, ``max_new_tokens`` >= 0, the whole sequence must fit the model's learned
-    positions (GPT-2's ``block_size``; a backbone's ``n_positions``, if it has any), and a cache
+    positions (``block_size``, if the model has learned positions), and a cache
     needs a model that makes one (``new_cache``)."""
     if use_cache and not hasattr(model, "new_cache"):  # chapter 1's GPT2: no cache
         raise TypeError(
@@ -139,12 +139,11 @@ def check_generate_args(
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     T, total = prompt_ids.size(1), prompt_ids.size(1) + max_new_tokens
-    name = "block_size" if hasattr(model.config, "block_size") else "n_positions"
-    limit = getattr(model.config, name)
+    limit = model.config.block_size  # None: no learned positions, no limit
     if limit is not None and total > limit:
         raise ValueError(
             f"prompt of {T} tokens + {max_new_tokens} new tokens = {total} is longer than "
-            f"{name}={limit}, the number of learned positions"
+            f"block_size={limit}, the number of learned positions"
         )
 
 
