@@ -9,10 +9,16 @@ import pytest
 import torch
 
 from gpt2kimi.moe import MoE
+from gpt2kimi.ops import chunk_kda
 from gpt2kimi.parallel import (
     ExpertParallelMoE,
+    check_context_parallel,
     check_expert_parallel,
+    context_parallel_forward,
+    demo_hybrid,
     expert_range,
+    incoming_memory,
+    kda_slice_summary,
     launch,
     sequence_slice,
 )
@@ -41,6 +47,46 @@ def test_expert_range_gives_each_rank_an_equal_contiguous_share():
 
 
 # ----------------------------------------------------------------------------------------------
+# context parallelism
+
+
+def test_context_parallel_hybrid_equals_the_whole_model():
+    # total lengths 26 and 52 on 2 ranks: slices of 13 and 26 tokens, chunks of 8
+    results = launch(check_context_parallel, 2, timeout=TIMEOUT)
+    for per_length in results:
+        short, long = per_length
+        assert short["forward"] < 1e-12 and long["forward"] < 1e-12  # fp64
+        # KDA's summaries and the convolution tails do not grow with the sequence; MLA's
+        # latents double with it
+        for what in ("KDA states", "conv tails"):
+            assert short["bytes"][what] == long["bytes"][what]
+        assert long["bytes"]["MLA latents"] == 2 * short["bytes"]["MLA latents"]
+    B, H, K, V, layers = 2, 3, 8, 8, 2  # the demo hybrid's KDA layers
+    assert results[0][0]["bytes"]["KDA states"] == layers * B * H * K * (K + V) * 8
+
+
+def test_a_slice_summary_is_the_affine_map_of_the_incoming_memory():
+    B, T, H, K, V = 2, 11, 2, 4, 3
+    torch.manual_seed(0)
+    q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, K, dtype=torch.float64), dim=-1)
+            for _ in range(2))  # fmt: skip
+    v = torch.randn(B, T, H, V, dtype=torch.float64)
+    g = -torch.rand(B, T, H, K, dtype=torch.float64)
+    beta = torch.rand(B, T, H, dtype=torch.float64)
+    S_in = torch.randn(B, H, K, V, dtype=torch.float64)
+    o_true, S_true = chunk_kda(q, k, v, g, beta, initial_state=S_in, chunk_size=4)
+    o, reads, M, dS = kda_slice_summary(q, k, v, g, beta, chunk_size=4)
+    torch.testing.assert_close(M @ S_in + dS, S_true)
+    torch.testing.assert_close(o + torch.einsum("bthk,bhkv->bthv", reads, S_in), o_true)
+    # composing two slices' maps gives the memory after both
+    o2, S2 = chunk_kda(q, k, v, g, beta, chunk_size=4)
+    summaries = torch.stack([torch.cat([M, dS], -1), torch.cat([M, dS], -1)])
+    torch.testing.assert_close(incoming_memory(summaries, 0), torch.zeros_like(S_in))
+    torch.testing.assert_close(incoming_memory(summaries, 1), S2)
+    torch.testing.assert_close(incoming_memory(summaries, 2), M @ S2 + dS)
+
+
+# ----------------------------------------------------------------------------------------------
 # errors
 
 
@@ -59,6 +105,8 @@ def test_no_process_group_is_a_clear_error():
     assert not torch.distributed.is_initialized()
     with pytest.raises(ValueError, match="ExpertParallelMoE needs an initialised process group"):
         ExpertParallelMoE(MoE(MoEConfig(**TINY_MOE)))
+    with pytest.raises(ValueError, match="context_parallel_forward needs an initialised process"):
+        context_parallel_forward(demo_hybrid(), torch.zeros(1, 4, dtype=torch.long))
 
 
 def test_a_hung_launch_times_out():

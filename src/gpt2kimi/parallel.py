@@ -42,8 +42,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gpt2kimi.configs import MoEConfig
+from gpt2kimi.backbone import LanguageModel
+from gpt2kimi.configs import HybridConfig, KDAConfig, MLAConfig, MoEConfig
+from gpt2kimi.deltanet import DeltaNetState
+from gpt2kimi.kda import KimiDeltaAttention
+from gpt2kimi.kimi_linear import KimiHybrid
+from gpt2kimi.mla import MultiHeadLatentAttention
 from gpt2kimi.moe import MoE, Routing, dispatch
+from gpt2kimi.ops import chunk_kda
 
 # ----------------------------------------------------------------------------------------------
 # process groups, shares and traffic
@@ -245,6 +251,194 @@ class ExpertParallelMoE(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
+# context parallelism
+
+
+def kda_slice_summary(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, chunk_size: int = 64
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A slice of KDA run from a zero memory, with what its true outputs need from the memory
+    it should have started from: ``(o, reads, M, ΔS)``.
+
+    Each token's transition ``S_t = A_t S_{t−1} + β_t k_t v_tᵀ`` with ``A_t = (I − β_t k_t
+    k_tᵀ) Diag(α_t)`` is affine in S, so the slice maps an incoming memory ``S_in`` to
+    ``S_t = M_t S_in + ΔS_t`` with ``M_t = A_t ⋯ A_1`` [K, K] per head and ``ΔS_t`` the memory
+    after t tokens from zero (LASP-2; Megatron-Core's chunkwise context parallelism). Running
+    the operator once on ``[v | 0]`` from ``[0 | I]`` computes both at once: the columns of S
+    evolve independently, the first V from zero with the true values, the last K from the
+    identity with zero values, which leaves ``A_t ⋯ A_1 · I``. The read-out ``S_tᵀ q_t`` splits
+    the same way: ``o_t = ΔS_tᵀ q_t`` and ``reads_t = M_tᵀ q_t``, so that the true output is
+    ``o_t + S_inᵀ reads_t``.
+
+    q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H] (q and k normalised, as the layer gives
+    them to :func:`~gpt2kimi.ops.chunk_kda`). Returns o [B, T, H, V], reads [B, T, H, K] (q's
+    dtype), M [B, H, K, K] and ΔS [B, H, K, V] (fp32 or fp64). Fixed size: M and ΔS do not
+    depend on T.
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    start = torch.cat(
+        [k.new_zeros(B, H, K, V), torch.eye(K, dtype=k.dtype, device=k.device).expand(B, H, K, K)],
+        dim=-1,
+    )
+    values = torch.cat([v, v.new_zeros(B, T, H, K)], dim=-1)
+    o, S = chunk_kda(q, k, values, g, beta, initial_state=start, chunk_size=chunk_size)
+    return o[..., :V], o[..., V:], S[..., V:], S[..., :V]
+
+
+def incoming_memory(summaries: Tensor, rank: int) -> Tensor:
+    """The memory rank ``rank``'s slice starts from: the earlier slices' maps composed,
+    ``S_in = ΔS_{r−1} + M_{r−1}(ΔS_{r−2} + M_{r−2}(⋯))``.
+
+    summaries [W, B, H, K, K + V]: every rank's ``[M | ΔS]``, in rank order. Returns [B, H, K, V]
+    (zeros for rank 0: every sequence starts from an empty memory).
+    """
+    K = summaries.shape[-2]
+    S = summaries.new_zeros(*summaries.shape[1:-1], summaries.shape[-1] - K)
+    for M, dS in (s.split([K, s.shape[-1] - K], dim=-1) for s in summaries[:rank]):
+        S = M @ S + dS
+    return S
+
+
+def conv_inputs(layer: KimiDeltaAttention, x: Tensor) -> Tensor:
+    """What the layer's short convolution reads: q, k and v projections side by side (the first
+    line of :meth:`~gpt2kimi.deltanet.DeltaNet.qkv`), [B, T, 3 · H · head_dim]."""
+    return torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], dim=-1)
+
+
+def incoming_conv_tail(
+    layer: KimiDeltaAttention, x: Tensor, group: dist.ProcessGroup | None, traffic: Traffic
+) -> Tensor | None:
+    """The ``conv_size − 1`` convolution inputs just before this rank's slice (zeros before the
+    first token), from an all-gather of every rank's last ones. A slice shorter than the tail
+    takes inputs from several earlier ranks; otherwise the previous rank alone would do (a
+    point-to-point send, as LASP's)."""
+    rank, world = process_group(group, "incoming_conv_tail")
+    n_past = layer.conv1d.kernel_size[0] - 1
+    if n_past == 0:
+        return None
+    B, T, _ = x.shape
+    mine = conv_inputs(layer, x[:, max(0, T - n_past) :])  # [B, min(T, n_past), C]
+    everyone = all_gather(mine, group)
+    traffic.add("conv tails", (world - 1) * mine.nbytes)
+    tail = torch.cat([mine.new_zeros(B, n_past, mine.size(-1)), *everyone[:rank]], dim=1)
+    return tail[:, tail.size(1) - n_past :]
+
+
+def context_parallel_kda(
+    layer: KimiDeltaAttention,
+    x: Tensor,
+    group: dist.ProcessGroup | None = None,
+    traffic: Traffic | None = None,
+) -> Tensor:
+    """A KDA layer on this rank's slice x [B, T/W, d] of every sequence → its outputs, equal to
+    those of the layer on the whole sequences.
+
+    1. the short convolution starts from the previous slice's last inputs
+       (:func:`incoming_conv_tail`);
+    2. the slice runs once from a zero memory, giving its outputs and its affine summary
+       ``(M, ΔS)`` (:func:`kda_slice_summary`);
+    3. the ranks all-gather the summaries, ``H · K · (K + V)`` numbers per sequence whatever the
+       length, and each composes the memory its slice starts from (:func:`incoming_memory`);
+    4. each output is corrected by what that memory adds: ``o_t += S_inᵀ M_tᵀ q_t``.
+
+    Then the layer's own output gate, norm and projection (as in
+    :meth:`~gpt2kimi.kda.KimiDeltaAttention.forward`). Forward only: training through it would
+    also need the adjoint exchange for the memory's gradient.
+    """
+    rank, _ = process_group(group, "context_parallel_kda")
+    traffic = Traffic() if traffic is None else traffic
+    B, T, _ = x.shape
+    tail = incoming_conv_tail(layer, x, group, traffic)
+    # qkv reads the convolution tail of the state only; the memory is handled below
+    q, k, v, _ = layer.qkv(x, None if tail is None else DeltaNetState(None, tail))
+    beta = torch.sigmoid(layer.b_proj(x))  # [B, T, H]
+    g = layer.forget_gate(x)  # [B, T, H, K]
+    o, reads, M, dS = kda_slice_summary(q, k, v, g, beta, chunk_size=layer.chunk_size)
+    summary = torch.cat([M, dS], dim=-1)  # [B, H, K, K + V]
+    summaries = all_gather(summary, group)
+    traffic.add("KDA states", (summaries.size(0) - 1) * summary.nbytes)
+    S_in = incoming_memory(summaries, rank)
+    o = o + torch.einsum("bthk,bhkv->bthv", reads.to(S_in.dtype), S_in).to(o.dtype)
+    gate = layer.g_b_proj(layer.g_a_proj(x)).view(B, T, layer.n_head, layer.head_dim)
+    return layer.o_proj(layer.o_norm(o, gate).reshape(B, T, -1))
+
+
+def context_parallel_mla(
+    layer: MultiHeadLatentAttention,
+    x: Tensor,
+    group: dist.ProcessGroup | None = None,
+    traffic: Traffic | None = None,
+) -> Tensor:
+    """An MLA layer on this rank's slice x [B, T/W, d] of every sequence → its outputs.
+
+    The ranks all-gather what MLA would cache, the latents ``c_kv`` and the shared key
+    ``k_rope`` (``kv_lora_rank + qk_rope_head_dim`` numbers per token, not per-head keys and
+    values: the compression pays a second time), and each attends causally from its own
+    queries over its own and the earlier slices' tokens (the mask offset by the earlier
+    tokens, as after a cache; LASP-2H's all-gather for the softmax layers of a hybrid). This
+    traffic grows with the sequence; KDA's does not.
+    """
+    rank, world = process_group(group, "context_parallel_mla")
+    traffic = Traffic() if traffic is None else traffic
+    start = rank * x.size(1)  # positions matter only with RoPE (Kimi Linear's MLA has none)
+    q_nope, q_rope = layer.queries(x, start)
+    c_kv, k_rope = layer.latents(x, start)
+    mine = torch.cat([c_kv, k_rope], dim=-1)  # [B, T/W, kv_lora_rank + rope_dim]
+    everyone = all_gather(mine, group)
+    traffic.add("MLA latents", (world - 1) * mine.nbytes)
+    seen = torch.cat(list(everyone[: rank + 1]), dim=1)  # the earlier slices and this one
+    c_kv, k_rope = seen.split([c_kv.size(-1), k_rope.size(-1)], dim=-1)
+    return layer.output(layer.attend_expanded(q_nope, q_rope, *layer.expand(c_kv, k_rope)))
+
+
+def context_parallel_forward(
+    model: LanguageModel,
+    idx_local: Tensor,
+    group: dist.ProcessGroup | None = None,
+    traffic: Traffic | None = None,
+) -> Tensor:
+    """Logits [B, T/W, vocab] of this rank's slice idx_local [B, T/W] (see :func:`split_sequence`),
+    equal to the same positions of ``model(idx)`` on the whole sequences.
+
+    Rank r holds positions ``r·T/W … (r+1)·T/W − 1`` of every sequence. Embeddings, norms,
+    feed-forwards (dense or MoE) and the head work token by token and need nothing from other
+    ranks; the token mixers exchange what their memory needs: KDA layers a fixed-size summary
+    of each slice (:func:`context_parallel_kda`), MLA layers the latents
+    (:func:`context_parallel_mla`). ``traffic`` (optional) collects the bytes this rank sent.
+    Every rank must hold a slice of the same length. In evaluation mode (no dropout).
+    """
+    rank, world = process_group(group, "context_parallel_forward")
+    traffic = Traffic() if traffic is None else traffic
+    shapes = all_gather(torch.tensor(idx_local.shape), group)
+    if not (shapes == shapes[0]).all():
+        raise ValueError(
+            "every rank must hold a slice of the same shape [B, T / W]; got "
+            f"{[tuple(s) for s in shapes.tolist()]} (split_sequence cuts equal slices)"
+        )
+    model.check_input(idx_local)
+    T = idx_local.size(1)
+    x = model.embed(idx_local)
+    if model.pos_embed is not None:
+        x = x + model.pos_embed(torch.arange(rank * T, (rank + 1) * T, device=idx_local.device))
+    layers = {
+        KimiDeltaAttention: context_parallel_kda,
+        MultiHeadLatentAttention: context_parallel_mla,
+    }
+    for i, block in enumerate(model.blocks):
+        run = layers.get(type(block.mixer))
+        if run is None or block.shift is not None:
+            raise ValueError(
+                f"block {i}: context parallelism runs KDA and MLA mixers without a token shift, "
+                f"got {type(block.mixer).__name__}"
+                + (" with a token shift" if block.shift is not None else "")
+            )
+        x = x + run(block.mixer, block.norm_1(x), group, traffic)
+        x = x + block.ffn(block.norm_2(x))
+    return model.lm_head(model.norm_f(x))
+
+
+# ----------------------------------------------------------------------------------------------
 # the checks: each runs on every rank of an initialised group and reports its largest difference
 
 
@@ -295,6 +489,60 @@ def check_expert_parallel(config: MoEConfig | None = None, tokens: int = 24, see
         "backward": max(grads),
         "bytes": dict(parallel.traffic.sent),
     }
+
+
+def demo_hybrid_config(chunk_size: int = 8) -> HybridConfig:
+    """A small Kimi-Linear hybrid (KDA, MLA, KDA, MLA; dense first, then MoE) whose every width
+    differs, with short KDA chunks so that the checks' slices end inside a chunk."""
+    return HybridConfig(
+        vocab_size=64,
+        d_model=32,
+        mixers=("kda", "mla", "kda", "mla"),
+        ffns=("dense", "moe", "moe", "moe"),
+        kda=KDAConfig(n_head=3, head_dim=8, chunk_size=chunk_size, output_gate_bias=False),
+        mla=MLAConfig(32, n_head=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                      v_head_dim=6, rope=False),
+        moe=demo_moe_config(32),
+        dense_hidden=48,
+    )  # fmt: skip
+
+
+def demo_hybrid(config: HybridConfig | None = None, seed: int = 0) -> KimiHybrid:
+    """The hybrid in fp64 and eval mode, with every norm gain, gate bias and routing bias moved
+    off its initial value (so that no part of the model is an identity the checks could miss)."""
+    torch.manual_seed(seed)
+    model = KimiHybrid(demo_hybrid_config() if config is None else config).double().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 or name.endswith("A_log"):
+                p.add_(0.2 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+    return model
+
+
+@torch.no_grad()
+def check_context_parallel(
+    config: HybridConfig | None = None, seq_lens: tuple[int, ...] = (26, 52), batch: int = 2
+) -> list[dict]:
+    """Context parallelism against the whole model, in fp64, for each total length in
+    ``seq_lens``: this rank's logits from :func:`context_parallel_forward` on its slice against
+    the same positions of ``model(idx)``. Returns per length the largest difference and the
+    bytes this rank sent (KDA's are the same for every length, MLA's grow with it)."""
+    model = demo_hybrid(config)
+    results = []
+    for seq_len in seq_lens:
+        idx = torch.randint(model.config.vocab_size, (batch, seq_len))
+        full = model(idx)
+        traffic = Traffic()
+        local = context_parallel_forward(model, split_sequence(idx), traffic=traffic)
+        rank, world = process_group(None, "check_context_parallel")
+        expected = full[:, sequence_slice(seq_len, rank, world)]
+        results.append(
+            {"seq_len": seq_len, "forward": max_difference(local, expected), "bytes": traffic.sent}
+        )
+    return results
 
 
 # ----------------------------------------------------------------------------------------------
