@@ -13,6 +13,7 @@ from gpt2kimi.ops import chunk_kda
 from gpt2kimi.parallel import (
     ExpertParallelMoE,
     check_context_parallel,
+    check_data_parallel,
     check_expert_parallel,
     context_parallel_forward,
     demo_hybrid,
@@ -21,6 +22,7 @@ from gpt2kimi.parallel import (
     kda_slice_summary,
     launch,
     sequence_slice,
+    shard_data_parallel,
 )
 
 TIMEOUT = 90.0  # seconds for one launch: a few seconds of work, the rest for busy machines
@@ -87,6 +89,21 @@ def test_a_slice_summary_is_the_affine_map_of_the_incoming_memory():
 
 
 # ----------------------------------------------------------------------------------------------
+# data parallelism with sharded weights
+
+
+def test_fully_sharded_data_parallel_steps_equal_one_process_on_the_whole_batch():
+    (r0, r1) = launch(check_data_parallel, 2, timeout=TIMEOUT)  # 3 AdamW steps, fp64 weights
+    for r in (r0, r1):
+        assert r["losses"] < 1e-5  # the loss itself is computed in fp32 (cross-entropy)
+        assert r["weights"] < 1e-6
+    assert r0["bytes"] == r1["bytes"]
+    # a ring moves half of each gradient out of each of 2 ranks: 8 bytes per fp64 parameter
+    n_params = sum(p.numel() for p in demo_hybrid().parameters())
+    assert r0["bytes"]["gradients reduce-scattered"] == n_params * 8 // 2
+
+
+# ----------------------------------------------------------------------------------------------
 # errors
 
 
@@ -107,6 +124,8 @@ def test_no_process_group_is_a_clear_error():
         ExpertParallelMoE(MoE(MoEConfig(**TINY_MOE)))
     with pytest.raises(ValueError, match="context_parallel_forward needs an initialised process"):
         context_parallel_forward(demo_hybrid(), torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="shard_data_parallel needs an initialised process group"):
+        shard_data_parallel(demo_hybrid())
 
 
 def test_a_hung_launch_times_out():

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,9 @@ from gpt2kimi.kimi_linear import KimiHybrid
 from gpt2kimi.mla import MultiHeadLatentAttention
 from gpt2kimi.moe import MoE, Routing, dispatch
 from gpt2kimi.ops import chunk_kda
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 # ----------------------------------------------------------------------------------------------
 # process groups, shares and traffic
@@ -436,6 +439,95 @@ def context_parallel_forward(
         x = x + run(block.mixer, block.norm_1(x), group, traffic)
         x = x + block.ffn(block.norm_2(x))
     return model.lm_head(model.norm_f(x))
+
+
+# ----------------------------------------------------------------------------------------------
+# data parallelism with sharded weights
+
+
+def shard_data_parallel(model: LanguageModel, mesh: DeviceMesh | None = None) -> LanguageModel:
+    """Wrap ``model`` for data parallelism with sharded weights (FSDP2, PyTorch's ZeRO-3).
+
+    ``fully_shard`` each block, then the whole model (for the embedding, the final norm and
+    the head): every parameter becomes a ``DTensor`` of which each rank stores a ``1 / W``
+    slice along its first dimension, and so does its gradient and the optimizer state built
+    from it. A block's weights are all-gathered just before it runs (forward, and again in the
+    backward pass) and freed after; its gradients are reduce-scattered and averaged over the
+    ranks, so W ranks on W equal parts of a batch take the step of one process on the whole
+    batch. ``mesh`` defaults to a one-dimensional mesh over the default group, on the device
+    type of the model's weights (``init_device_mesh("cpu", (W,))`` on CPU, with gloo). Changes
+    ``model`` in place and returns it; build the optimizer afterwards.
+    """
+    # imported here: FSDP's machinery takes a second to import, and only this function needs it
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    _, world = process_group(None, "shard_data_parallel")
+    if mesh is None:
+        mesh = init_device_mesh(next(model.parameters()).device.type, (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def data_parallel_traffic(model: LanguageModel, world_size: int, element_size: int) -> Traffic:
+    """Bytes one rank sends in a training step of :func:`shard_data_parallel`'s model (before
+    the shards' padding): each block's weights all-gathered twice (forward and backward: blocks
+    free them in between), the root's once (FSDP2 keeps them for the backward), and every
+    gradient reduce-scattered once. In a ring, each of these moves ``(W − 1) / W`` of the
+    tensor out of every rank."""
+    share = (world_size - 1) / world_size
+    blocks = sum(p.numel() for p in model.blocks.parameters()) * element_size
+    total = sum(p.numel() for p in model.parameters()) * element_size
+    traffic = Traffic()
+    traffic.add("weights all-gathered", round(share * (2 * blocks + (total - blocks))))
+    traffic.add("gradients reduce-scattered", round(share * total))
+    return traffic
+
+
+def check_data_parallel(
+    config: HybridConfig | None = None,
+    steps: int = 3,
+    batch: int = 4,
+    seq_len: int = 12,
+    lr: float = 1e-2,
+) -> dict:
+    """FSDP2 data parallelism against one process, in fp64, over ``steps`` AdamW steps.
+
+    Every rank builds the same model and draws the same global batches. A reference copy
+    trains on each whole batch in this process; the sharded model trains on this rank's
+    ``batch / W`` rows. Returns the largest difference between the reference's losses and
+    the ranks' mean loss, between the updated weights (all-gathered) and the reference's,
+    and the step's :func:`data_parallel_traffic`.
+    """
+    rank, world = process_group(None, "check_data_parallel")
+    rows = sequence_slice(batch, rank, world)  # this rank's part of the batch
+    reference = demo_hybrid(config).train()
+    model = shard_data_parallel(copy.deepcopy(reference))
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=lr) for m in (reference, model)]
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        data = torch.randint(reference.config.vocab_size, (batch, seq_len + 1), generator=generator)
+        x, y = data[:, :-1], data[:, 1:]
+        _, expected = reference(x, y)
+        _, loss = model(x[rows], y[rows])
+        for optimizer, lost in zip(optimizers, (expected, loss), strict=True):
+            lost.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(max_difference(mean / world, expected))
+    weights = dict(reference.named_parameters())
+    return {
+        "losses": max(losses),
+        "weights": max(
+            max_difference(p.full_tensor(), weights[name]) for name, p in model.named_parameters()
+        ),
+        "bytes": data_parallel_traffic(reference, world, 8).sent,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
