@@ -21,6 +21,7 @@ from gpt2kimi.parallel import (
     incoming_memory,
     kda_slice_summary,
     launch,
+    main,
     sequence_slice,
     shard_data_parallel,
 )
@@ -101,6 +102,24 @@ def test_fully_sharded_data_parallel_steps_equal_one_process_on_the_whole_batch(
     # a ring moves half of each gradient out of each of 2 ranks: 8 bytes per fp64 parameter
     n_params = sum(p.numel() for p in demo_hybrid().parameters())
     assert r0["bytes"]["gradients reduce-scattered"] == n_params * 8 // 2
+
+
+# ----------------------------------------------------------------------------------------------
+# the command line
+
+
+def test_demo_prints_each_checks_largest_difference_and_bytes(capsys):
+    main(["demo", "--nproc", "2", "--checks", "expert", "context", "--timeout", str(TIMEOUT)])
+    out = capsys.readouterr().out
+    assert "expert parallel MoE on 2 processes: largest difference forward" in out
+    assert "context parallel hybrid, 52 tokens on 2 processes" in out
+    assert "KDA states 12,288" in out and "tokens out" in out
+
+
+def test_demo_refuses_a_world_size_that_does_not_divide_the_experts(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--nproc", "3"])
+    assert "world size 3 does not divide the 8 experts" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------

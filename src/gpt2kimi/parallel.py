@@ -28,6 +28,7 @@ an initialised process group).
 
 from __future__ import annotations
 
+import argparse
 import copy
 import os
 import socket
@@ -696,3 +697,99 @@ def launch(fn: Callable, nproc: int = 2, args: tuple = (), timeout: float = 120.
                     f"{timeout} s"
                 )
         return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(nproc)]
+
+
+# ----------------------------------------------------------------------------------------------
+# the command line: python -m gpt2kimi.parallel demo --nproc 2
+
+CHECKS = ("expert", "context", "data")
+
+
+def run_checks(checks: tuple[str, ...] = CHECKS) -> dict[str, Any]:
+    """The chosen checks on this rank, sized to the world size (W divides the sequences and the
+    batch; it must divide the demo MoE's 8 experts)."""
+    _, world = process_group(None, "run_checks")
+    runs = {
+        "expert": lambda: check_expert_parallel(),
+        "context": lambda: check_context_parallel(seq_lens=(13 * world, 26 * world)),
+        "data": lambda: check_data_parallel(batch=2 * world),
+    }
+    return {name: runs[name]() for name in checks}
+
+
+def report(results: list[dict[str, Any]]) -> str:
+    """Each check's largest difference over the ranks, and the bytes each rank sent."""
+
+    def sent(per_rank: list[dict[str, int]]) -> str:
+        return "; ".join(
+            f"rank {r}: " + ", ".join(f"{what} {n:,}" for what, n in b.items())
+            for r, b in enumerate(per_rank)
+        )
+
+    W, lines = len(results), []
+    if "expert" in results[0]:
+        runs = [r["expert"] for r in results]
+        lines += [
+            f"expert parallel MoE on {W} processes: largest difference "
+            f"forward {max(r['forward'] for r in runs):.1e}, "
+            f"gradients {max(r['backward'] for r in runs):.1e}",
+            f"  bytes sent, {sent([r['bytes'] for r in runs])}",
+        ]
+    if "context" in results[0]:
+        for i, first in enumerate(results[0]["context"]):
+            runs = [r["context"][i] for r in results]
+            lines += [
+                f"context parallel hybrid, {first['seq_len']} tokens on {W} processes: largest "
+                f"difference in the logits {max(r['forward'] for r in runs):.1e}",
+                f"  bytes sent, {sent([r['bytes'] for r in runs])}",
+            ]
+    if "data" in results[0]:
+        runs = [r["data"] for r in results]
+        lines += [
+            f"fully sharded data parallel training on {W} processes: largest difference "
+            f"losses {max(r['losses'] for r in runs):.1e}, "
+            f"weights {max(r['weights'] for r in runs):.1e}",
+            f"  bytes sent per step, {sent([r['bytes'] for r in runs])}",
+        ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m gpt2kimi.parallel",
+        description="Chapter 9's checks: expert, context and data parallelism against one process.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser(
+        "demo",
+        help="spawn gloo processes on this machine (or run as one rank under torchrun) and "
+        "print each check's largest difference and the bytes sent",
+    )
+    demo.add_argument("--nproc", type=int, default=2, help="processes to spawn (default 2)")
+    demo.add_argument("--checks", nargs="+", choices=CHECKS, default=list(CHECKS))
+    demo.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up")
+    args = parser.parse_args(argv)
+    checks = tuple(args.checks)
+    world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    try:  # before starting any process: the demo MoE's experts must split evenly
+        expert_range(demo_moe_config().n_experts, 0, world)
+    except ValueError as error:
+        parser.error(str(error))
+    if "LOCAL_RANK" in os.environ:  # started by torchrun: this process is one of the ranks
+        dist.init_process_group("gloo")
+        try:
+            mine = run_checks(checks)
+            results = [None] * dist.get_world_size()
+            dist.all_gather_object(results, mine)
+        finally:
+            dist.destroy_process_group()
+        if int(os.environ["RANK"]) == 0:
+            print(report(results))
+        return
+    from gpt2kimi.parallel import run_checks as importable  # not __main__.run_checks
+
+    print(report(launch(importable, args.nproc, args=(checks,), timeout=args.timeout)))
+
+
+if __name__ == "__main__":
+    main()
