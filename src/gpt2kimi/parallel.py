@@ -6,15 +6,16 @@ with PyTorch's own distributed engine (``torch.distributed``: a process group, a
 all-gather, ``fully_shard``; gloo on CPU, NCCL on GPUs, the code is the same), and each split
 is **exactly** the one-process model on the same weights:
 
-- **Expert parallelism** (GShard; DeepSeek-V3 used 64-way, Kimi K2 16-way):
-  :class:`ExpertParallelMoE` keeps ``E / W`` of a layer's experts on each rank. Each rank routes
-  its own tokens, and two all-to-alls carry every token copy to its expert's rank and the result
-  back.
-- **Context parallelism** (LASP-2 and its hybrid form LASP-2H; Megatron-Core's chunkwise
-  context parallelism): :func:`context_parallel_forward` gives rank r the r-th slice of every
-  sequence. A KDA layer summarises its slice as an affine map of the incoming memory,
-  ``S_out = M S_in + ΔS``, whose size does not depend on the slice's length, and the ranks
-  all-gather those summaries; an MLA layer all-gathers its compressed latents.
+- **Expert parallelism** (GShard, arXiv 2006.16668; DeepSeek-V3, arXiv 2412.19437, used
+  64-way, Kimi K2 16-way): :class:`ExpertParallelMoE` keeps ``E / W`` of a layer's experts on
+  each rank. Each rank routes its own tokens, and two all-to-alls carry every token copy to its
+  expert's rank and the result back.
+- **Context parallelism** (LASP-2, arXiv 2502.07563, and its hybrid form LASP-2H;
+  Megatron-Core's chunkwise context parallelism): :func:`context_parallel_forward` gives
+  rank r the r-th slice of every sequence. A KDA layer summarises its slice as an affine map
+  of the incoming memory, ``S_out = M S_in + ΔS``, whose size does not depend on the slice's
+  length, and the ranks all-gather those summaries; an MLA layer all-gathers its compressed
+  latents.
 - **Data parallelism with sharded weights** (ZeRO, PyTorch's FSDP2): :func:`shard_data_parallel`
   wraps each block and the model in ``fully_shard``; each rank trains on its part of the batch
   and holds ``1 / W`` of every weight, gradient and optimizer state.
@@ -414,7 +415,7 @@ def context_parallel_forward(
     """
     rank, world = process_group(group, "context_parallel_forward")
     traffic = Traffic() if traffic is None else traffic
-    shapes = all_gather(torch.tensor(idx_local.shape), group)
+    shapes = all_gather(torch.tensor(idx_local.shape, device=idx_local.device), group)
     if not (shapes == shapes[0]).all():
         raise ValueError(
             "every rank must hold a slice of the same shape [B, T / W]; got "
