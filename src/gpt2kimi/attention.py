@@ -202,8 +202,6 @@ class GPT2WithCache(LanguageModel):
         mixer = functools.partial(SoftmaxAttention, n_kv_heads=n_kv_heads, dropout=config.dropout)
         mlp_config = replace(config, dropout=0.0)  # the block drops the MLP's output itself
         super().__init__(backbone, mixer, lambda d_model: MLP(mlp_config))
-        self.gpt2_config = config
-        self.n_kv_heads = config.n_head if n_kv_heads is None else n_kv_heads
 
     @classmethod
     def from_gpt2(cls, model: GPT2, *, copy: bool = True) -> GPT2WithCache:

@@ -252,8 +252,8 @@ class BlockState(NamedTuple):
             self.shift.zero_()  # the last inputs of a fresh sequence are zeros
 
     def crop(self, n: int) -> None:
-        if self.shift is not None:
-            RecurrentState.crop(self, n)  # a token shift's tail is a fixed-size memory too
+        if self.shift is not None:  # a token shift's tail is a fixed-size memory too
+            raise ValueError(f"a token shift's last inputs cannot rewind to {n} tokens")
         if self.mixer is not None:
             self.mixer.crop(n)
 
