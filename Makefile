@@ -17,6 +17,9 @@ BOOK_FLAGS := -W -n --keep-going
 NOEXEC_CONFIG := .config-noexec.yml
 # Notebooks checked side by side by nbval (two on two cores; NBVAL_JOBS=1 checks one at a time).
 NBVAL_JOBS ?= 2
+# PyTorch threads per checked notebook: two notebooks with two threads each on two cores make
+# their threads wait on each other (a multi-threaded training cell ran several times slower).
+NBVAL_THREADS ?= 1
 # Extra options for JupyterLab, e.g. make lab LAB_FLAGS="--no-browser --port 8890"
 LAB_FLAGS ?=
 
@@ -59,9 +62,12 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest tests --ignore=tests/browser
 
 # One pytest per notebook, NBVAL_JOBS at a time, the longest first; fails if any notebook fails.
-# Each prints its wall time. GPT2KIMI_PROGRESS=0 keeps progress bars out of the compared outputs.
+# Each prints its wall time. GPT2KIMI_PROGRESS=0 keeps progress bars out of the compared outputs;
+# each notebook runs NBVAL_THREADS PyTorch threads (make test NBVAL_JOBS=1 NBVAL_THREADS=2 on an
+# idle two-core machine).
 notebooks: $(STAMP)
-	ls -S notebooks/*.ipynb | GPT2KIMI_PROGRESS=0 xargs -P $(NBVAL_JOBS) -I{} sh -c \
+	ls -S notebooks/*.ipynb | GPT2KIMI_PROGRESS=0 OMP_NUM_THREADS=$(NBVAL_THREADS) \
+	  xargs -P $(NBVAL_JOBS) -I{} sh -c \
 	  'start=$$(date +%s); $(BIN)/python -m pytest --nbval {} -p no:cacheprovider; rc=$$?; \
 	   echo "nbval {}: $$(( $$(date +%s) - start )) s"; exit $$rc'
 

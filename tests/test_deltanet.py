@@ -24,6 +24,21 @@ def test_causal_conv1d_is_causal_and_caches():
     torch.testing.assert_close(torch.cat([y1, y2, y3], dim=1), y)
 
 
+def test_causal_conv1d_one_token_at_a_time_equals_one_call():
+    """The decoding step (a dot product over the window) against the convolution over the whole
+    sequence, token by token, in float64."""
+    torch.manual_seed(0)
+    conv = CausalConv1d(5, kernel_size=3).double()
+    x = torch.randn(2, 7, 5, dtype=torch.float64)
+    y, tail = conv(x)
+    steps, state = [], None
+    for t in range(x.size(1)):
+        out, state = conv(x[:, t : t + 1], state)
+        steps.append(out)
+    torch.testing.assert_close(torch.cat(steps, dim=1), y, rtol=0, atol=1e-12)
+    torch.testing.assert_close(state, tail)
+
+
 def test_causal_conv1d_kernel_one_has_empty_cache():
     conv = CausalConv1d(6, kernel_size=1)
     y, cache = conv(torch.randn(2, 3, 6))

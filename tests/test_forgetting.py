@@ -10,7 +10,11 @@ from torch import nn
 from gpt2kimi.backbone import BackboneConfig, LanguageModel
 from gpt2kimi.deltanet import DeltaNet
 from gpt2kimi.experiments.__main__ import forget_main
-from gpt2kimi.experiments.ablations import AdditiveDeltaNet, KDAWithoutForgetting
+from gpt2kimi.experiments.ablations import (
+    AdditiveDeltaNet,
+    GatedLinearAttention,
+    KDAWithoutForgetting,
+)
 from gpt2kimi.experiments.forget import format_table, seed_stats
 from gpt2kimi.experiments.mqar import IGNORE, MQARTraining
 from gpt2kimi.experiments.recall import (
@@ -24,7 +28,8 @@ from gpt2kimi.experiments.recall import (
 )
 from gpt2kimi.experiments.registry import MIXERS, build_model
 from gpt2kimi.experiments.sweep import machine_info
-from gpt2kimi.ops import chunk_delta_rule, chunk_linear_attn
+from gpt2kimi.gated_deltanet import log_decay
+from gpt2kimi.ops import chunk_delta_rule, chunk_linear_attn, recurrent_simple_gla
 
 CFG = WindowRecallConfig(vocab_size=64, seq_len=61, num_queries=8, window=3)
 TINY = BackboneConfig(vocab_size=64, d_model=16, n_layer=1, n_head=2)
@@ -178,6 +183,24 @@ def test_run_and_sweep_record_each_run_and_the_settings():
 def test_the_ablations_are_registered():
     assert MIXERS["deltanet_additive"] is AdditiveDeltaNet
     assert MIXERS["kda_no_forget"] is KDAWithoutForgetting
+    assert MIXERS["gated_linear"] is GatedLinearAttention
+
+
+def test_gated_linear_attention_is_gated_deltanets_layer_with_the_faded_additive_update():
+    torch.manual_seed(0)
+    layer = GatedLinearAttention(16, 2, chunk_size=4).double()
+    assert not hasattr(layer, "b_proj")
+    x = torch.randn(2, 11, 16, dtype=torch.float64)
+    y, state = layer(x, return_state=True)
+    # the memory is S_t = α_t S_{t−1} + k_t v_tᵀ on the layer's own q, k, v and gate
+    q, k, v, _ = layer.qkv(x, None)
+    g = log_decay(layer.a_proj(x), layer.A_log, layer.dt_bias)
+    _, memory = recurrent_simple_gla(q, k, v, g)
+    torch.testing.assert_close(state.memory, memory)
+    # a prefix, then the rest (the last token through the one-token step), equals one call
+    y1, s1 = layer(x[:, :10], return_state=True)
+    y2, _ = layer(x[:, 10:], s1, return_state=True)
+    torch.testing.assert_close(torch.cat([y1, y2], dim=1), y)
 
 
 def test_additive_deltanet_is_deltanets_layer_with_linear_attentions_update():
@@ -197,6 +220,13 @@ def test_additive_deltanet_is_deltanets_layer_with_linear_attentions_update():
     y1, s1 = layer(x[:, :6], return_state=True)
     y2, _ = layer(x[:, 6:], s1, return_state=True)
     torch.testing.assert_close(torch.cat([y1, y2], dim=1), y)
+
+
+def test_additive_deltanet_takes_a_narrow_memory():
+    """A head_dim other than d_model / n_head (chapter 4's 4 x 4 memories) keeps the shapes."""
+    layer = AdditiveDeltaNet(16, 2, head_dim=4)
+    y, state = layer(torch.randn(3, 5, 16), return_state=True)
+    assert y.shape == (3, 5, 16) and state.memory.shape == (3, 2, 4, 4)
 
 
 def test_kda_without_forgetting_never_decays_and_trains():

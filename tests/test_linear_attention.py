@@ -49,6 +49,14 @@ def test_layer_gradients_flow(options):
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
 
 
+def test_head_dim_sets_the_memory_size_independently_of_the_width():
+    torch.manual_seed(0)
+    layer = LinearAttention(32, 2, head_dim=4)
+    y, state = layer(torch.randn(3, 5, 32), return_state=True)
+    assert y.shape == (3, 5, 32) and state.memory.shape == (3, 2, 4, 4)
+    assert layer.q_proj.weight.shape == (8, 32) and layer.o_proj.weight.shape == (32, 8)
+
+
 def test_layer_rejects_bad_options():
     with pytest.raises(ValueError, match="divisible by n_head"):
         LinearAttention(30, 4)

@@ -314,7 +314,7 @@ def test_benchmark_runs_every_method_and_counts_bytes():
     from gpt2kimi.mla import METHODS, cost
 
     config = bench_mla_config(64, 4)
-    rows = measure((16, 32), repeats=1, config=config)
+    rows = measure((16, 32), rounds=1, config=config)
     assert [r.method for r in rows[: len(METHODS)]] == list(METHODS)
     table = format_table(rows)
     assert "MLA absorbed" in table and "absorbed speed-up" in table

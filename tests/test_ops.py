@@ -10,11 +10,13 @@ from gpt2kimi.ops import (
     chunk_gated_delta_rule,
     chunk_kda,
     chunk_linear_attn,
+    chunk_simple_gla,
     parallel_linear_attn,
     recurrent_delta_rule,
     recurrent_gated_delta_rule,
     recurrent_kda,
     recurrent_linear_attn,
+    recurrent_simple_gla,
 )
 from gpt2kimi.ops.gated_delta_rule import pairwise_decay
 from gpt2kimi.ops.kda import decayed_products, pairwise_channel_decay
@@ -27,11 +29,13 @@ TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float64: dict(atol=1e-10
 # whether it takes beta)
 OPERATORS = {
     "linear_attn": (recurrent_linear_attn, chunk_linear_attn, None, False),
+    "simple_gla": (recurrent_simple_gla, chunk_simple_gla, "head", False),
     "delta_rule": (recurrent_delta_rule, chunk_delta_rule, None, True),
     "gated_delta_rule": (recurrent_gated_delta_rule, chunk_gated_delta_rule, "head", True),
     "kda": (recurrent_kda, chunk_kda, "channel", True),
 }
-GATED = ["gated_delta_rule", "kda"]
+GATED = ["gated_delta_rule", "kda"]  # the gated delta rules
+DECAYING = ["simple_gla", *GATED]  # every operator that forgets
 
 
 def random_inputs(name: str, T: int, dtype=torch.float64, seed: int = 0, log_decay_scale=1.0):
@@ -125,17 +129,17 @@ def test_default_scale_and_dtypes(name):
     assert o64.dtype == S64.dtype == torch.float64
 
 
-@pytest.mark.parametrize("name", GATED)
+@pytest.mark.parametrize("name", DECAYING)
 def test_harsh_decays_stay_finite_and_exact(name):
     """g ≈ −8 per token over 300 tokens, fp32: e^γ underflows to 0 but nothing becomes inf/nan,
     forward or backward (the masked entries must not leak nan gradients)."""
     recurrent, chunk = OPERATORS[name][:2]
     T = 300
-    (q, k, v, g, beta), S0 = random_inputs(name, T, torch.float32)
-    g = -8.0 + 0.5 * torch.randn(g.shape).clamp(-1, 1)
-    inputs = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    args, S0 = random_inputs(name, T, torch.float32)
+    args[3] = -8.0 + 0.5 * torch.randn(args[3].shape).clamp(-1, 1)  # g
+    inputs = [x.clone().requires_grad_() for x in args]
     o, S = chunk(*inputs, initial_state=S0, chunk_size=64)
-    o_ref, S_ref = recurrent(q, k, v, g, beta, initial_state=S0)
+    o_ref, S_ref = recurrent(*args, initial_state=S0)
     assert torch.isfinite(o).all() and torch.isfinite(S).all()
     torch.testing.assert_close(o, o_ref, **TOL[torch.float32])
     torch.testing.assert_close(S, S_ref, **TOL[torch.float32])
@@ -375,7 +379,7 @@ def test_empty_sequence_and_bad_chunk_size_raise(name):
             OPERATORS[name][1](**inputs_by_name(name), chunk_size=chunk_size)
 
 
-@pytest.mark.parametrize("name", GATED)
+@pytest.mark.parametrize("name", DECAYING)
 @pytest.mark.parametrize("form", [0, 1], ids=["recurrent", "chunk"])
 @pytest.mark.parametrize("bad", [0.5, float("nan"), float("inf"), float("-inf")])
 def test_log_decay_that_is_positive_or_not_finite_raises(name, form, bad):

@@ -10,9 +10,11 @@ from gpt2kimi.ops import (
     chunk_delta_rule,
     chunk_gated_delta_rule,
     chunk_kda,
+    chunk_simple_gla,
     recurrent_delta_rule,
     recurrent_gated_delta_rule,
     recurrent_kda,
+    recurrent_simple_gla,
 )
 
 B, T, H, K, V = 2, 128, 3, 16, 8  # T: two of the references' 64-token chunks
@@ -68,4 +70,17 @@ def test_delta_rule_equals_fla(ours):
     head_first = (x.transpose(1, 2) for x in (q, k, v, beta))  # fla's reference: [B, H, T, D]
     o_ref, S_ref = fla(*head_first, S0)
     torch.testing.assert_close(o, o_ref.transpose(1, 2), **TOL)
+    torch.testing.assert_close(S, S_ref, **TOL)
+
+
+@pytest.mark.parametrize("ours", [recurrent_simple_gla, chunk_simple_gla])
+@pytest.mark.parametrize("fla_name", ["naive_recurrent_simple_gla", "naive_chunk_simple_gla"])
+def test_simple_gla_equals_fla(ours, fla_name):
+    fla = reference("ops/simple_gla/naive.py", fla_name)
+    q, k, v, g, _, S0 = inputs("head")
+    o, S = ours(q, k, v, g, 0.3, S0)
+    # (q, k, v, g) by position, as fla's simple_gla; scale and the state by name (their
+    # positions differ between fla's two references)
+    o_ref, S_ref = fla(q, k, v, g, scale=0.3, initial_state=S0, output_final_state=True)
+    torch.testing.assert_close(o, o_ref, **TOL)
     torch.testing.assert_close(S, S_ref, **TOL)

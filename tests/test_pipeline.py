@@ -16,11 +16,20 @@ from gpt2kimi.experiments.__main__ import main
 from gpt2kimi.experiments.mqar import MQARTraining, run_mqar
 from gpt2kimi.experiments.pipeline import (
     ResultsFileError,
+    VerificationFailed,
     code_hash,
+    code_hashes,
     expand_grid,
     missing_runs,
     read_results,
+    record_differences,
+    source_files,
     sweep,
+    sweep_files,
+    task_code,
+    task_code_hash,
+    verifications,
+    verify,
 )
 from gpt2kimi.experiments.results import REGISTRY, ResultsEntry, check_files, legacy_differences
 from gpt2kimi.experiments.tasks import MQAR, TASKS
@@ -38,15 +47,26 @@ TINY = {
     "window": dict(mixer="deltanet", **TINY_RECALL),
     "lm_moe": dict(variant="moe_bias", d_model=16, expert_hidden=16, **TINY_LM),
     "lm_hybrid": dict(model="3:1", **TINY_LM),
+    "lm_moe_fixed": dict(variant="moe_bias", d_model=16, expert_hidden=16,
+                         **{k: v for k, v in TINY_LM.items() if k != "eval_batches"}),
+    "lm_hybrid_ablation": dict(model="3:1", steps=3, warmup_steps=1, eval_interval=3,
+                               batch_size=4),
 }
 # the results file whose records each task's must match, and a record of the same kind in it
 TODAYS_FILE = {
     "mqar": ("mqar_linear_attention.json", {}),
     "rewrite": ("rewrite_gating.json", {}),
     "window": ("forget_window.json", {}),
-    "lm_moe": ("moe_train.json", {"variant": "moe_bias"}),
+    "lm_moe": ("lm_moe.jsonl", {"variant": "moe_bias"}),
     "lm_hybrid": ("hybrid_lm.json", {"model": "3:1"}),
+    # the fixed-validation tasks: today's records of their kind, and the fields they add
+    "lm_moe_fixed": ("lm_moe.jsonl", {"variant": "moe_bias"}),
+    "lm_hybrid_ablation": ("hybrid_lm.json", {"model": "3:1"}),
 }
+ADDED_FIELDS = {"lm_hybrid_ablation": {"final_val_loss", "tokens_per_s", "device"}}
+# chapter 7's file is lm_moe_fixed's: the older task without fixed validation lacks two fields
+MISSING_FIELDS = {"lm_moe": {"tokens_per_s", "device"}}
+PIPELINE_FIELDS = {"run_seconds"}  # what the sweep adds to a task's record in the file
 
 
 def tiny_mqar_grid(n: int = 2, steps: int = 3) -> list[dict]:
@@ -65,8 +85,10 @@ def test_each_task_records_the_fields_todays_files_hold(name):
     file, cell = TODAYS_FILE[name]
     _, todays = read_results(DATA / file)
     like = next(r for r in todays if all(r[k] == v for k, v in cell.items()))
-    assert set(like) <= set(record)  # chapters read these
-    assert set(record) - set(like) <= {"seed"}  # chapter 7's file had the seed in its settings
+    read = set(like) - MISSING_FIELDS.get(name, set()) - PIPELINE_FIELDS
+    assert read <= set(record)  # chapters read these
+    # chapter 7's file had the seed in its settings; the recall tasks now read the trained gates
+    assert set(record) - set(like) <= {"seed", "half_lives"} | ADDED_FIELDS.get(name, set())
     assert record["seed"] == 1
     json.dumps(record)  # JSON-ready
     floats = [v for v in record.values() if isinstance(v, float)]
@@ -95,13 +117,48 @@ def test_code_hash_follows_every_source_file(tmp_path):
     (tmp_path / "a.py").write_text("x = 1\n")
     (tmp_path / "sub" / "b.py").write_text("y = 2\n")
     (tmp_path / "notes.txt").write_text("not code")
-    first = code_hash(tmp_path)
-    assert len(first) == 64 and code_hash(tmp_path) == first
+    first = code_hash(tmp_path, module="pkg")  # the package's own name: all of it
+    assert len(first) == 64 and code_hash(tmp_path, module="pkg") == first
     (tmp_path / "notes.txt").write_text("still not code")
-    assert code_hash(tmp_path) == first
+    assert code_hash(tmp_path, module="pkg") == first
     (tmp_path / "sub" / "b.py").write_text("y = 3\n")
-    assert code_hash(tmp_path) != first
+    assert code_hash(tmp_path, module="pkg") != first
     assert len(code_hash()) == 64  # the library's own
+
+
+def test_code_hash_covers_what_the_runs_import_and_nothing_else(tmp_path):
+    """A run's code: the module, what it imports (in functions too, and ``from p import m``
+    submodules), transitively, and the packages' __init__ files; not the rest."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "",
+        "run.py": "from pkg.sub import model\n\ndef f():\n    import pkg.util\n",
+        "sub/__init__.py": "",
+        "sub/model.py": "from pkg.ops import op\nimport torch\n",
+        "ops.py": "def op(): ...\n",
+        "util.py": "",
+        "bench.py": "import pkg.run\n",
+    }
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    found = {p.relative_to(pkg).as_posix() for p in source_files(pkg, "pkg.run")}
+    assert found == set(files) - {"bench.py"}
+    first = code_hash(pkg, "pkg.run")
+    (pkg / "bench.py").write_text("import pkg.run  # edited\n")
+    assert code_hash(pkg, "pkg.run") == first
+    (pkg / "ops.py").write_text("def op(): return 1\n")
+    assert code_hash(pkg, "pkg.run") != first
+    # the library: the runs' code leaves out chapter 9 and the pipeline itself
+    names = {p.name for p in source_files()}
+    assert {"tasks.py", "train.py", "simple_gla.py"} <= names
+    assert not names & {"parallel.py", "pipeline.py", "results.py"}
+    # one task's code: its own modules' imports and the file of the tasks, not another task's
+    code = task_code(MQAR)
+    mqar = {p.name for p in source_files(module=code["modules"], shallow=code["shallow"])}
+    assert {"tasks.py", "mqar.py", "kda.py", "mla.py", "train.py"} <= mqar
+    assert not mqar & {"lm_ablation.py", "recall.py", "gates.py"}
+    assert task_code_hash(MQAR) != task_code_hash(TASKS["rewrite"])
 
 
 def test_sweep_appends_each_run_as_it_finishes_and_a_rerun_does_nothing(tmp_path):
@@ -113,7 +170,8 @@ def test_sweep_appends_each_run_as_it_finishes_and_a_rerun_does_nothing(tmp_path
     assert [(r["num_pairs"], r["seed"]) for r in records] == [(1, 0), (1, 1), (2, 0), (2, 1)]
     assert all(r["run_seconds"] >= 0 for r in records)
     assert header["task"] == "mqar" and header["seeds"] == [0, 1]
-    assert header["code"]["hash"] == code_hash() and header["machine"]["parallel_runs"] == 1
+    assert header["code"]["hash"] == task_code_hash(MQAR)
+    assert header["machine"]["parallel_runs"] == 1
     assert header["grid"] == [MQAR.settings(s) for s in tiny_mqar_grid()]
     before = out.read_bytes()
     again = []
@@ -183,13 +241,14 @@ def test_a_file_of_other_code_or_another_sweep_is_refused(tmp_path):
     header["code"]["hash"] = "0" * 64
     out.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
     before = out.read_bytes()
-    with pytest.raises(ResultsFileError, match=f"code hash 0{{64}} in the file, {code_hash()}"):
+    today = task_code_hash(MQAR)
+    with pytest.raises(ResultsFileError, match=f"code hash 0{{64}} in the file, {today}"):
         sweep(MQAR, tiny_mqar_grid(1), [0], out=out)
     with pytest.raises(ResultsFileError, match="seeds differs"):
         sweep(MQAR, tiny_mqar_grid(1), [0, 1, 2], out=out)
     assert out.read_bytes() == before
     header, records = sweep(MQAR, tiny_mqar_grid(1), [0, 1], out=out, restart=True)
-    assert header["code"]["hash"] == code_hash() and len(records) == 2
+    assert header["code"]["hash"] == task_code_hash(MQAR) and len(records) == 2
 
 
 def test_read_results_reads_todays_json_files():
@@ -203,14 +262,41 @@ def test_read_results_reads_todays_json_files():
 
 def test_every_file_of_the_book_is_registered_faithfully():
     rows = check_files(DATA)
-    assert {name for name, _ in rows} == {p.name for p in DATA.glob("*.json*")}
-    assert not [row for row in rows if not row[1].startswith("stale: legacy file")]
+    new = {entry.path for entry in REGISTRY.values() if entry.legacy_path is None}
+    assert {name for name, _ in rows} - new == {p.name for p in DATA.glob("*.json*")} - new
+    old = [row for row in rows if row[0] not in new]
+    assert not [row for row in old if not row[1].startswith("stale: legacy file")]
     for entry in REGISTRY.values():
-        assert legacy_differences(entry, DATA) == [], entry.name
+        if entry.legacy_path:
+            assert legacy_differences(entry, DATA) == [], entry.name
     wrong = replace(REGISTRY["mqar_lr_1e-3"], legacy_path="mqar_lr_1e-2.json")
     assert legacy_differences(wrong, DATA) == ["train_lr: file 0.01, registry [0.001]"]
     wrong = replace(REGISTRY["mqar_gating"], seeds=(0, 1))
     assert legacy_differences(wrong, DATA)[0].startswith("runs (mixer, num_pairs, seed)")
+
+
+def test_several_files_share_one_pool_their_runs_interleaved_and_each_resumes(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    grid_a = tiny_mqar_grid(1)
+    sweep(MQAR, grid_a, [0, 1], out=a)
+    lines = a.read_text().splitlines(keepends=True)
+    a.write_text("".join(lines[:-1]))  # a: one of its two runs lost, as by a kill
+    order = []
+    done = sweep_files([(MQAR, grid_a, [0, 1], a), (MQAR, tiny_mqar_grid(2), [0], b)],
+                       log=lambda r: order.append(r["num_pairs"]))
+    # b's first run, then a's missing seed interleaved with b's second (one job at a time)
+    assert len(order) == 3 and order[0] == 1
+    (header_a, records_a), (header_b, records_b) = done
+    assert [(r["num_pairs"], r["seed"]) for r in records_a] == [(1, 0), (1, 1)]
+    assert [(r["num_pairs"], r["seed"]) for r in records_b] == [(1, 0), (2, 0)]
+    assert missing_runs(a) == missing_runs(b) == []
+
+
+def test_longest_first_starts_the_costliest_runs():
+    cheap, costly = ({**TINY["mqar"], "mixer": m} for m in ("softmax", "kda"))
+    assert MQAR.cost(MQAR.settings(costly)) > MQAR.cost(MQAR.settings(cheap))
+    assert MQAR.cost(MQAR.settings({**cheap, "n_layer": 4})) == 2 * MQAR.cost(
+        MQAR.settings(cheap))
 
 
 def test_check_passes_a_current_file_and_fails_a_stale_or_unregistered_one(
@@ -230,11 +316,7 @@ def test_check_passes_a_current_file_and_fails_a_stale_or_unregistered_one(
     assert "other.json  unregistered" in capsys.readouterr().out
     (tmp_path / "other.json").unlink()
 
-    path = tmp_path / "tiny.jsonl"
-    lines = path.read_text().splitlines()
-    header = json.loads(lines[0])
-    header["code"]["hash"] = "0" * 64  # recorded by other code
-    path.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    _recorded_by_other_code(tmp_path / "tiny.jsonl")
     with pytest.raises(SystemExit) as exit_:
         main(["check", "--data", str(tmp_path)])
     assert exit_.value.code == 1
@@ -244,3 +326,65 @@ def test_check_passes_a_current_file_and_fails_a_stale_or_unregistered_one(
     assert results.entry_status(other, tmp_path).startswith("stale: seeds [0]")
     main(["list", "--data", str(tmp_path)])
     assert "python -m gpt2kimi.experiments run tiny" in capsys.readouterr().out
+
+
+def _recorded_by_other_code(path: Path) -> None:
+    """Rewrite a results file's header as if earlier code had recorded it."""
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0])
+    header["code"]["hash"] = "0" * 64
+    path.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+
+
+def test_verify_makes_a_file_current_when_todays_code_reproduces_it(tmp_path, monkeypatch,
+                                                                     capsys):
+    entry = ResultsEntry("tiny", "mqar", tiny_mqar_grid(3), (0,), "a tiny sweep", "-", 0.1)
+    monkeypatch.setattr(results, "REGISTRY", {"tiny": entry})
+    main(["run", "tiny", "--jobs", "1", "--data", str(tmp_path)])
+    path = tmp_path / "tiny.jsonl"
+    _recorded_by_other_code(path)
+    assert results.entry_status(entry, tmp_path).startswith("stale: recorded by code 000000")
+    records_before = read_results(path)[1]
+
+    main(["verify", "tiny", "--runs", "2", "--jobs", "1", "--data", str(tmp_path)])
+    assert "2 runs reproduced" in capsys.readouterr().out
+    (done,) = verifications(path)
+    assert done["code"]["hash"] == task_code_hash(MQAR) and len(done["runs"]) == 2
+    assert [r["settings"]["num_pairs"] for r in done["runs"]] == [1, 3]  # first and last
+    assert code_hashes(path) == {"0" * 64, task_code_hash(MQAR)}
+    assert results.entry_status(entry, tmp_path) == "current"
+    assert read_results(path)[1] == records_before  # the records are untouched
+    main(["check", "--data", str(tmp_path)])  # exit status 0
+
+
+def test_verify_refuses_what_todays_code_does_not_reproduce(tmp_path):
+    path = tmp_path / "tiny.jsonl"
+    sweep(MQAR, tiny_mqar_grid(2), [0], out=path)
+    _recorded_by_other_code(path)
+    text = path.read_text()
+
+    class Changed(type(MQAR)):  # the same task, as if a code change had altered its results
+        def score(self, s, seed):
+            return {**super().score(s, seed), "accuracy": 2.0}
+
+    changed = Changed()
+    expected = "(?s)does not reproduce 2 of 2.*run 2 of the file .*accuracy"
+    with pytest.raises(VerificationFailed, match=expected):
+        verify(changed, path, runs=2)
+    assert path.read_text() == text  # nothing written
+
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("\n".join(text.splitlines()[:-1]) + "\n")  # a run missing
+    with pytest.raises(ResultsFileError, match="runs missing"):
+        verify(MQAR, cut)
+
+
+def test_record_differences_compare_numbers_within_the_tolerance_and_skip_timings():
+    old = {"mixer": "kda", "accuracy": 0.5, "val_loss": [2.0, 1.5], "seconds": 3.0}
+    assert record_differences(old, {**old, "seconds": 9.0, "accuracy": 0.50001}, 1e-4) == []
+    assert record_differences(old, {**old, "val_loss": [2.0, 1.6]}, 1e-4) == [
+        "val_loss[1]: recorded 1.5, now 1.6"]
+    assert record_differences(old, {**old, "mixer": "mla"}, 1e-4) == [
+        "mixer: recorded 'kda', now 'mla'"]
+    assert record_differences(old, {k: v for k, v in old.items() if k != "accuracy"}, 1) == [
+        "accuracy: only in the recorded record"]

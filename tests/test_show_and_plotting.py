@@ -84,3 +84,23 @@ def test_mean_and_range_gives_errorbar_distances_to_min_and_max():
     assert bars[1] == pytest.approx([0.5, 0.0, 0.1])  # up to each group's max
     with pytest.raises(ValueError, match="non-empty groups"):
         mean_and_range([[1.0], []])
+
+
+def test_markdown_table_aligns_and_checks_its_shape():
+    from gpt2kimi.show import markdown_table
+
+    table = markdown_table(["n", "ratio"], [[16, "10.8"], [32, "19.3"]],
+                           caption="Table 2.1. Ratios")
+    assert table.splitlines() == [
+        "**Table 2.1. Ratios**",
+        "",
+        "| n | ratio |",
+        "|:--|--:|",
+        "| 16 | 10.8 |",
+        "| 32 | 19.3 |",
+    ]
+    assert markdown_table(["a", "b"], [], align="rl").splitlines()[1] == "|--:|:--|"
+    with pytest.raises(ValueError, match="cells"):
+        markdown_table(["a", "b"], [[1]])
+    with pytest.raises(ValueError, match="align"):
+        markdown_table(["a", "b"], [], align="lc")

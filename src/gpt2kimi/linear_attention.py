@@ -51,7 +51,9 @@ class LinearAttention(nn.Module):
     """Causal multi-head linear attention: a token mixer with a fixed [K, V] memory per head.
 
     ``o_t = S_tᵀ φ(q_t)`` with ``S_t = Σ_{j<=t} φ(k_j) v_jᵀ``; with ``normalize=True``,
-    ``o_t = S_tᵀ φ(q_t) / (z_tᵀ φ(q_t) + eps)`` where ``z_t = Σ_{j<=t} φ(k_j)``.
+    ``o_t = S_tᵀ φ(q_t) / (z_tᵀ φ(q_t) + eps)`` where ``z_t = Σ_{j<=t} φ(k_j)``. Each head's
+    memory is ``head_dim × head_dim`` (``d_model // n_head`` unless ``head_dim`` is given: the
+    recall experiments shrink it to make the memory overflow).
 
     Stepwise decoding (the state contract of :mod:`gpt2kimi.backbone`):
     ``forward(x, state, return_state=True)`` returns ``(y, state)``, a
@@ -65,6 +67,7 @@ class LinearAttention(nn.Module):
         d_model: int,
         n_head: int,
         *,
+        head_dim: int | None = None,
         feature_map: str = "identity",
         normalize: bool = False,
         chunk_size: int = 64,
@@ -76,13 +79,15 @@ class LinearAttention(nn.Module):
                 f"feature_map must be one of {sorted(FEATURE_MAPS)}, got {feature_map!r}"
             )
         self.n_head = n_head
-        self.head_dim = head_dim_of(d_model, n_head)
+        # the memory of a head is head_dim × head_dim: d_model / n_head unless given
+        self.head_dim = head_dim_of(d_model, n_head) if head_dim is None else head_dim
         self.feature_map, self.normalize = feature_map, normalize
         self.chunk_size, self.eps = chunk_size, eps
-        self.q_proj = nn.Linear(d_model, d_model, bias=False)
-        self.k_proj = nn.Linear(d_model, d_model, bias=False)
-        self.v_proj = nn.Linear(d_model, d_model, bias=False)
-        self.o_proj = nn.Linear(d_model, d_model, bias=False)
+        width = n_head * self.head_dim
+        self.q_proj = nn.Linear(d_model, width, bias=False)
+        self.k_proj = nn.Linear(d_model, width, bias=False)
+        self.v_proj = nn.Linear(d_model, width, bias=False)
+        self.o_proj = nn.Linear(width, d_model, bias=False)
 
     def forward(
         self, x: Tensor, state: LinearAttentionState | None = None, return_state: bool = False
@@ -105,5 +110,5 @@ class LinearAttention(nn.Module):
         )
         if self.normalize:
             o = o[..., :-1] / (o[..., -1:] + self.eps)
-        y = self.o_proj(o.reshape(B, T, d_model))
+        y = self.o_proj(o.reshape(B, T, -1))
         return (y, LinearAttentionState(memory)) if return_state else y

@@ -33,7 +33,7 @@ COLORS = {
     "kda": "#ff7f0e",
     "mla": "#8c564b",
     "moe": "#e377c2",
-    "hybrid": "#7f7f7f",
+    "hybrid": "#000000",  # the book's headline model (chapter 8), in black
 }
 
 

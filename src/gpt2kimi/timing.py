@@ -3,7 +3,8 @@
 :func:`time_fn` (median of repeats), :func:`timed` and :func:`fastest_interleaved` (runs
 measured side by side, in turns) serve :mod:`gpt2kimi.experiments`' speed measurements and the
 command lines of :mod:`gpt2kimi.bench`; :func:`loglog_slope` reads a cost's growth off a sweep
-(1: linear, 2: quadratic). Imports nothing of the package.
+(1: linear, 2: quadratic). On CUDA every clock waits for the GPU's queued work first
+(:func:`synchronize`). Imports nothing of the package.
 """
 
 from __future__ import annotations
@@ -13,6 +14,15 @@ import statistics
 import time
 from collections.abc import Callable
 
+import torch
+
+
+def synchronize() -> None:
+    """Wait for the GPU's queued work, if CUDA is in use: its kernels run asynchronously, so a
+    clock read without waiting measures the launch, not the work. A no-op on the CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
 
 def time_fn(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> float:
     """Median wall-clock seconds of ``fn()`` over ``repeats`` runs, after ``warmup`` runs."""
@@ -20,8 +30,10 @@ def time_fn(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> floa
         fn()
     times = []
     for _ in range(repeats):
+        synchronize()
         start = time.perf_counter()
         fn()
+        synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -30,8 +42,10 @@ def timed(fn: Callable[[], object]) -> Callable[[], float]:
     """A run for :func:`fastest_interleaved`: calls ``fn()`` and returns the seconds it took."""
 
     def run() -> float:
+        synchronize()
         start = time.perf_counter()
         fn()
+        synchronize()
         return time.perf_counter() - start
 
     return run

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -132,16 +132,48 @@ def evaluate(model: nn.Module, batches: Batches, n_batches: int, split: str = "v
     return sum(losses) / len(losses)
 
 
-def train(model: nn.Module, batches: Batches, cfg: TrainConfig) -> History:
+@torch.no_grad()
+def evaluate_fixed(model: nn.Module, val_set: Sequence[tuple[Tensor, Tensor]]) -> float:
+    """Mean loss per token over every batch of a fixed set ``[(x [B, T], y [B, T]), ...]``
+    (e.g. :func:`gpt2kimi.data.fixed_val_batches`): the same tokens at every evaluation.
+
+    Each batch's mean loss is weighted by its number of targets, so a smaller last batch counts
+    for what it holds. (Targets equal to -100 would be counted too: the set should have none.)
+    """
+    device = next(model.parameters()).device
+    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
+    with evaluating(model):
+        for x, y in val_set:
+            _, loss = model(x.to(device), y.to(device))
+            total += loss.double() * y.numel()
+            count += y.numel()
+    return total.item() / count
+
+
+def train(
+    model: nn.Module,
+    batches: Batches,
+    cfg: TrainConfig,
+    val_set: Sequence[tuple[Tensor, Tensor]] | None = None,
+) -> History:
     """Train ``model`` in place for ``cfg.steps`` steps and return the loss history.
 
     Deterministic under ``cfg.seed`` on a given device and thread count. Runs on whatever device
-    the model is on; batches are moved there.
+    the model is on; batches are moved there. Validation draws ``cfg.eval_batches`` batches of
+    ``batches("val")`` each time; with ``val_set`` (fixed batches ``[(x [B, T], y [B, T]), ...]``,
+    e.g. :func:`gpt2kimi.data.fixed_val_batches`) it scores that whole set instead
+    (:func:`evaluate_fixed`), the same tokens for every seed and every evaluation.
+
+    The training losses stay on the device until an evaluation or a log line needs them (no host
+    sync each step); the history holds the same floats ``loss.item()`` would give.
     """
     torch.manual_seed(cfg.seed)
     device = next(model.parameters()).device
+    if val_set is not None:
+        val_set = [(x.to(device), y.to(device)) for x, y in val_set]
     optimizer = configure_optimizer(model, cfg)
     history = History()
+    losses: list[Tensor] = []  # detached training losses not yet copied into the history
     model.train()
     start = time.perf_counter()
     bar = progress(total=cfg.steps, desc="training", unit="step", leave=False)
@@ -157,20 +189,29 @@ def train(model: nn.Module, batches: Batches, cfg: TrainConfig) -> History:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         history.steps.append(step)
-        history.train_loss.append(loss.item())
+        losses.append(loss.detach())
         history.lr.append(lr)
-        bar.set_postfix(loss=f"{history.train_loss[-1]:.3f}", refresh=False)
         bar.update()
 
         last = step == cfg.steps - 1
-        if (step + 1) % cfg.eval_interval == 0 or last:
+        evaluating_now = (step + 1) % cfg.eval_interval == 0 or last
+        logging_now = bool(cfg.log_interval) and ((step + 1) % cfg.log_interval == 0 or last)
+        if evaluating_now or logging_now:  # one host sync for all the losses since the last
+            history.train_loss.extend(torch.stack(losses).tolist())
+            losses.clear()
+            bar.set_postfix(loss=f"{history.train_loss[-1]:.3f}", refresh=False)
+        if evaluating_now:
             history.val_steps.append(step + 1)
-            history.val_loss.append(evaluate(model, batches, cfg.eval_batches))
-        if cfg.log_interval and ((step + 1) % cfg.log_interval == 0 or last):
+            if val_set is None:
+                history.val_loss.append(evaluate(model, batches, cfg.eval_batches))
+            else:
+                history.val_loss.append(evaluate_fixed(model, val_set))
+        if logging_now:
             evaluated = history.val_steps[-1:] == [step + 1]
             val = f" | val {history.val_loss[-1]:.3f}" if evaluated else ""
             elapsed = time.perf_counter() - start
-            say(f"step {step + 1:>5}/{cfg.steps} | train {loss.item():.3f}{val} | {elapsed:.0f}s")
+            train_loss = history.train_loss[-1]
+            say(f"step {step + 1:>5}/{cfg.steps} | train {train_loss:.3f}{val} | {elapsed:.0f}s")
     bar.close()
     history.seconds = time.perf_counter() - start
     model.eval()

@@ -1,10 +1,11 @@
 """One decode step of one attention layer against a filled cache: MHA, GQA, MQA and three MLAs.
 
-``python -m gpt2kimi.bench mla [--contexts 1024 … 32768] [--repeats 3] [--threads 1]``
+``python -m gpt2kimi.bench mla [--contexts 1024 … 32768] [--rounds 5] [--threads 1]``
 
-Measured by :func:`gpt2kimi.experiments.mla_decode.measure` (the methods side by side, context
-by context); the table gives milliseconds per step, the cache bytes each step reads and the
-attention's FLOPs per byte (:func:`gpt2kimi.mla.cost`, counted from the shapes).
+Measured by :func:`gpt2kimi.experiments.mla_decode.measure` (the methods in turns, context by
+context, each its fastest of ``--rounds`` rounds); the table gives milliseconds per step, the
+cache bytes each step reads and the attention's FLOPs per byte (:func:`gpt2kimi.mla.cost`,
+counted from the shapes).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--contexts", type=int, nargs="+", default=list(DEFAULT_CONTEXTS))
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument(
         "--threads", type=int, default=1, help="CPU threads (1: steadiest; 0: PyTorch's default)"
     )
@@ -42,5 +43,5 @@ def main(argv: list[str] | None = None) -> None:
         f"MLA latent {config.kv_lora_rank} + rope key {config.qk_rope_head_dim}; fp32, cpu, "
         f"{torch.get_num_threads()} thread(s)\n"
     )
-    rows = measure(tuple(args.contexts), tuple(args.methods), args.repeats, config)
+    rows = measure(tuple(args.contexts), tuple(args.methods), args.rounds, config)
     print(format_table(rows))

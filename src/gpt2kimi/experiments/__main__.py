@@ -3,7 +3,9 @@
 The pipeline (:mod:`gpt2kimi.experiments.results`): ``list`` (every results file the book
 reads, what it is, its estimated time and whether it is current), ``run NAME`` (runs or resumes
 that file's sweep, each run appended as it finishes), ``check`` (every file under ``book/data``
-against the registry and today's code; exit status 1 on a stale or unregistered file).
+against the registry and today's code; exit status 1 on a stale or unregistered file),
+``verify NAME`` (re-runs a few runs of a complete file recorded by earlier code; if today's code
+reproduces them, the file is current again without being recorded anew).
 
 The older per-experiment commands, which wrote today's files, each train models and write the
 JSON results file a chapter plots (``--out -``: print only): ``mqar`` (chapters 3-6),
@@ -26,7 +28,12 @@ import torch
 from gpt2kimi.experiments import forget, moe_train, results, rewrite
 from gpt2kimi.experiments.hybrid_train import lm_sweep, mqar_runs
 from gpt2kimi.experiments.mqar import MQARTraining, format_table, mqar_sweep
-from gpt2kimi.experiments.pipeline import ResultsFileError, sweep
+from gpt2kimi.experiments.pipeline import (
+    ResultsFileError,
+    VerificationFailed,
+    sweep_files,
+    verify,
+)
 from gpt2kimi.experiments.recall import WindowRecallConfig, rewrite_sweep, window_recall_sweep
 from gpt2kimi.experiments.registry import (
     MIXERS,
@@ -259,8 +266,8 @@ MOE_TRAIN_DOC = """``python -m gpt2kimi.experiments moe-train``: dense FFN vs Mo
 corpus, and balancing.
 
 Trains the same small language model (softmax attention, NoPE, the built-in byte corpus) with
-four feed-forward variants at equal **active** parameters, and writes a results file that
-chapter 7 plots::
+four feed-forward variants at equal **active** parameters, one seed at one learning rate, for a
+quick look (chapter 7 reads ``run lm_moe``: every variant at four rates and three seeds)::
 
     dense     a SwiGLU of hidden width (top_k + shared) · expert_hidden
     moe       an MoE, no balancing
@@ -271,9 +278,8 @@ For each run the file holds the validation losses, the load of every MoE layer o
 (max / mean tokens per expert, per step) and, after training, which experts each kind of byte
 is sent to. Runs are single-threaded, ``--jobs`` of them at once::
 
-    python -m gpt2kimi.experiments moe-train                         # book/data/moe_train.json
-    python -m gpt2kimi.experiments moe-train --steps 150 --variants dense moe_bias \\
-        --out book/data/moe_train_live.json
+    python -m gpt2kimi.experiments moe-train --out moe_train.json
+    python -m gpt2kimi.experiments moe-train --steps 150 --variants dense moe_bias --out -
 """
 
 
@@ -291,7 +297,7 @@ def moe_train_main(argv: list[str]) -> None:
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--jobs", type=int, default=2, help="parallel single-threaded runs")
     p.add_argument(
-        "--out", default="book/data/moe_train.json", help="JSON results file ('-': do not write)"
+        "--out", default="-", help="JSON results file (default '-': print, do not write)"
     )
     args = p.parse_args(argv)
     settings = replace(
@@ -373,28 +379,37 @@ def list_main(argv: list[str]) -> None:
 
 
 def run_main(argv: list[str]) -> None:
-    """``run NAME``: run or resume the sweep of the registered results file NAME."""
+    """``run NAME [NAME ...]``: run or resume the sweeps of the registered results files, all
+    through one pool of ``--jobs`` single-threaded runs (their runs interleaved). The runs train
+    on ``$GPT2KIMI_DEVICE`` (default: the CPU)."""
     p = argparse.ArgumentParser(prog="python -m gpt2kimi.experiments run",
                                 description=run_main.__doc__)
-    p.add_argument("name", choices=sorted(results.REGISTRY), metavar="NAME",
+    p.add_argument("names", nargs="+", choices=sorted(results.REGISTRY), metavar="NAME",
                    help="a results file of the registry (see list)")
     p.add_argument("--jobs", type=int, default=2, help="parallel single-threaded runs")
     p.add_argument("--restart", action="store_true",
-                   help="start the file afresh (drops the runs it holds)")
+                   help="start the files afresh (drops the runs they hold)")
+    p.add_argument("--longest-first", action="store_true",
+                   help="start the longest runs first (all files together)")
     _data_arg(p)
     args = p.parse_args(argv)
-    entry = results.REGISTRY[args.name]
-    if entry.legacy:
-        raise SystemExit(f"{entry.name} is not in the pipeline yet; its command: {entry.command}")
-    out = (args.data or results.default_data_dir()) / entry.path
-    say(f"{entry.name}: {len(entry.runs())} runs of {entry.task} into {out} "
-        f"(~{entry.minutes:g} min on 2 cores)")
+    entries = [results.REGISTRY[name] for name in dict.fromkeys(args.names)]
+    for entry in entries:
+        if entry.legacy:
+            raise SystemExit(f"{entry.name} is not in the pipeline yet; its command: "
+                             f"{entry.command}")
+    data = args.data or results.default_data_dir()
+    for entry in entries:
+        say(f"{entry.name}: {len(entry.runs())} runs of {entry.task} into {data / entry.path} "
+            f"(~{entry.minutes:g} min on 2 cores)")
+    sweeps = [(get_task(e.task), e.grid, e.seeds, data / e.path) for e in entries]
     try:
-        _, records = sweep(get_task(entry.task), entry.grid, entry.seeds, args.jobs, out,
-                           restart=args.restart, log=lambda r: say(_one_line(r)))
+        done = sweep_files(sweeps, args.jobs, restart=args.restart,
+                           log=lambda r: say(_one_line(r)), longest_first=args.longest_first)
     except ResultsFileError as error:
         raise SystemExit(str(error)) from None
-    print(f"{out}: {len(records)} of {len(entry.runs())} runs")
+    for entry, (_, records) in zip(entries, done, strict=True):
+        print(f"{data / entry.path}: {len(records)} of {len(entry.runs())} runs")
 
 
 def _one_line(record: dict) -> str:
@@ -422,10 +437,44 @@ def check_main(argv: list[str]) -> None:
         raise SystemExit(1)
 
 
+def verify_main(argv: list[str]) -> None:
+    """``verify NAME [NAME ...]``: re-run ``--runs`` runs of each complete registered file with
+    today's code and compare them with the recorded ones (timings aside, numbers within
+    ``--tolerance``); where all agree, the file records the verification and is current again.
+    Exit 1 if any file is not reproduced (it stays stale: record it again with ``run``)."""
+    p = argparse.ArgumentParser(prog="python -m gpt2kimi.experiments verify",
+                                description=verify_main.__doc__)
+    p.add_argument("names", nargs="+", choices=sorted(results.REGISTRY), metavar="NAME")
+    p.add_argument("--runs", type=int, default=2, help="runs re-run per file (default 2)")
+    p.add_argument("--tolerance", type=float, default=1e-4,
+                   help="largest difference allowed in any recorded number (default 1e-4)")
+    p.add_argument("--jobs", type=int, default=2, help="parallel single-threaded runs")
+    _data_arg(p)
+    args = p.parse_args(argv)
+    data = args.data or results.default_data_dir()
+    failed = []
+    for name in dict.fromkeys(args.names):
+        entry = results.REGISTRY[name]
+        path = data / entry.path
+        if not path.exists():
+            raise SystemExit(f"{path}: no such file; record it with: {entry.command}")
+        try:
+            done = verify(get_task(entry.task), path, args.runs, args.tolerance, args.jobs)
+        except (ResultsFileError, VerificationFailed) as error:
+            print(error)
+            failed.append(name)
+            continue
+        print(f"{name}: {len(done['runs'])} runs reproduced by code {done['code']['hash'][:12]}; "
+              f"{results.entry_status(entry, data)}")
+    if failed:
+        raise SystemExit(f"not reproduced: {' '.join(failed)}")
+
+
 COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "list": list_main,
     "run": run_main,
     "check": check_main,
+    "verify": verify_main,
     "mqar": mqar_main,
     "forget": forget_main,
     "rewrite": rewrite_main,

@@ -6,7 +6,8 @@ GPT-2 small's configuration with untrained weights (speed does not depend on the
 other in the same process; the clock is read after every new token, so one run of 128 tokens
 gives the rate at 16, 32, 64 and 128 tokens. :func:`measure` returns the rows,
 :func:`format_table` prints them (chapter 2 calls both; ``python -m gpt2kimi.bench kv-cache``
-prints them from the command line).
+prints them from the command line). :func:`time_steps` times single decode steps (several batch
+sizes and cached contexts) and a prefill, side by side in turns.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from gpt2kimi.attention import GPT2WithCache
+from gpt2kimi.experiments.decoding import fill_cache
 from gpt2kimi.gpt2 import GPT2Config
 from gpt2kimi.kv_cache import generate
+from gpt2kimi.timing import fastest_interleaved
 
 
 @dataclass(frozen=True)
@@ -124,3 +127,65 @@ def format_table(rows: list[Row]) -> str:
             f"{r.tokens_per_s_with_cache:>11.1f}  {r.speedup:>7.1f}x"
         )
     return "\n".join(lines)
+
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Seconds of single forward steps, measured side by side by :func:`time_steps`."""
+
+    decode: dict[tuple[int, int], float]  # (batch, cached context) -> seconds of one step
+    prefill: float | None = None  # seconds of one prefill of ``prefill_len`` tokens (batch 1)
+
+
+def time_steps(
+    model: GPT2WithCache,
+    decode: list[tuple[int, int]],
+    prefill_len: int | None = None,
+    rounds: int = 3,
+    seed: int = 0,
+) -> StepTimes:
+    """Time one cached decode step for each ``(batch, context)`` in ``decode`` (``batch``
+    sequences, each adding one token after ``context`` cached ones) and, with ``prefill_len``,
+    one prefill of that many tokens into an empty cache.
+
+    A step's time depends on how many tokens the caches hold, not on what they hold, so each
+    cache is filled with random keys and values (:func:`fill_cache`) and cropped back to
+    ``context`` before every step. Everything is timed in turns, the fastest of ``rounds`` rounds
+    after a warm-up round (:func:`gpt2kimi.timing.fastest_interleaved`): a slow phase of the
+    machine slows every setting alike, so their ratios hold.
+    """
+    if not decode or min(min(s) for s in decode) < 1:
+        raise ValueError(f"batch sizes and contexts must be positive, got {decode}")
+    device = model.embed.weight.device
+    generator = torch.Generator().manual_seed(seed)
+    runs = {}
+    for batch, context in decode:
+        cache = model.new_cache(batch, context + 1)
+        fill_cache(cache, context, generator)
+        token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        runs[batch, context] = _step_run(model, cache, token, keep=context)
+    if prefill_len is not None:
+        prompt = torch.zeros(1, prefill_len, dtype=torch.long, device=device)
+        runs["prefill"] = _step_run(model, model.new_cache(1, prefill_len), prompt, keep=0)
+    best = fastest_interleaved(runs, rounds)
+    return StepTimes({key: best[key] for key in runs if key != "prefill"}, best.get("prefill"))
+
+
+def _step_run(model: GPT2WithCache, cache, idx: torch.Tensor, keep: int):
+    """A run for :func:`fastest_interleaved`: crop ``cache`` to ``keep`` tokens (untimed), then
+    one forward pass of ``idx`` through it; returns the seconds of the pass."""
+    cuda = idx.device.type == "cuda"
+
+    @torch.no_grad()
+    def run() -> float:
+        cache.crop(keep)  # forget the previous step's tokens
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        model(idx, cache=cache)
+        if cuda:
+            torch.cuda.synchronize()  # GPU work is asynchronous: wait before reading the clock
+        return time.perf_counter() - start
+
+    return run

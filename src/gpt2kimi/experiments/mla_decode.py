@@ -9,8 +9,11 @@ cache, expanded into per-head keys and values at every step) and *absorbed* (the
 read directly). The softmax layers read their shared heads in place (:func:`softmax_decode`).
 The cache is filled with random numbers up to the context length (speed does not depend on the
 values); each timed call appends one token, and the cache is then cut back, so every call sees
-the same context. :func:`measure` runs the methods side by side, context by context;
-:func:`format_table` prints the rows (``python -m gpt2kimi.bench mla`` from the command line).
+the same context. :func:`measure` runs the methods side by side, context by context: in each
+round every method decodes once, in turn, and each keeps its fastest round
+(:func:`~gpt2kimi.timing.fastest_interleaved`), so a busy moment of the machine slows all of them
+alike rather than one point of one curve. :func:`format_table` prints the rows
+(``python -m gpt2kimi.bench mla`` from the command line).
 
 Next to the time, each row gives what the step must read from the cache and the attention's
 floating-point operations, counted from the shapes by :func:`gpt2kimi.mla.cost`: the bandwidth /
@@ -36,7 +39,7 @@ from gpt2kimi.mla import (
     cost,
     kv_heads,
 )
-from gpt2kimi.timing import time_fn
+from gpt2kimi.timing import fastest_interleaved, timed
 
 D_MODEL, N_HEAD = 512, 8
 DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -76,18 +79,25 @@ class Row:
 
 
 def softmax_decode(layer: SoftmaxAttention, x: torch.Tensor, cache: LayerKVCache) -> torch.Tensor:
-    """One new token x ``[B, 1, d]`` through chapter 2's layer, reading shared key/value heads
-    in place.
+    """One new token x ``[B, 1, d]`` through chapter 2's layer, reading each shared key/value head
+    once for all the query heads of its group.
 
     The layer's own forward repeats each shared head for its group (a copy of the whole cache at
-    every step, which hides GQA's and MQA's smaller reads); here attention maps query head h to
-    key/value head ``h // group`` without a copy (``enable_gqa``). Same output (tested).
+    every step, which hides GQA's and MQA's smaller reads), and ``enable_gqa`` still runs one
+    pass over the cache per *query* head (a long cache falls out of the processor's caches
+    between heads). Here the ``group`` query heads of key/value head j (heads ``j·group`` to
+    ``(j+1)·group − 1``, the layer's ``h // group_size``) become ``group`` query rows of one
+    attention over that head: one pass over the cache per key/value head. Same output (tested).
     """
     B, T, C = x.shape
-    q, k, v = layer.split_heads(x)
-    k, v = cache.update(k, v)
-    y = F.scaled_dot_product_attention(q, k, v, enable_gqa=layer.group_size > 1)
-    return layer.c_proj(y.transpose(1, 2).reshape(B, T, C))
+    if T != 1:
+        raise ValueError(f"softmax_decode decodes one token at a time, got {T}")
+    q, k, v = layer.split_heads(x)  # q [B, H, 1, D]
+    k, v = cache.update(k, v)  # [B, n_kv, S, D]
+    n_kv, D = k.shape[1], k.shape[-1]
+    rows = q.reshape(B, n_kv, layer.group_size, D)  # a group's query heads as query rows
+    y = F.scaled_dot_product_attention(rows, k, v)  # no mask: one token reads the whole cache
+    return layer.c_proj(y.reshape(B, 1, C))
 
 
 def decode_step(
@@ -143,18 +153,20 @@ def decode_step(
 def measure(
     contexts: tuple[int, ...] = DEFAULT_CONTEXTS,
     methods: tuple[str, ...] = METHODS,
-    repeats: int = 3,
+    rounds: int = 5,
     config: MLAConfig | None = None,
 ) -> list[Row]:
-    """Median seconds per decode step of every method at every context (one run, side by side)."""
+    """Seconds per decode step of every method at every context: at each context the methods
+    decode in turns, ``rounds`` rounds after a warm-up round, and each keeps its fastest."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     config = bench_mla_config() if config is None else config
     rows = []
     for context in contexts:
-        for method in methods:
-            step = decode_step(method, context, config)
-            seconds = time_fn(step, repeats=repeats, warmup=1)
-            rows.append(Row(method, context, seconds, *cost(method, context, config)))
-            del step  # free this cache before the next one is filled
+        steps = {method: decode_step(method, context, config) for method in methods}
+        best = fastest_interleaved({m: timed(step) for m, step in steps.items()}, rounds)
+        rows += [Row(m, context, best[m], *cost(m, context, config)) for m in methods]
+        del steps  # free this context's caches before the next ones are filled
     return rows
 
 

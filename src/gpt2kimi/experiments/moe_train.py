@@ -26,7 +26,7 @@ import torch
 from gpt2kimi.attention import SoftmaxAttention
 from gpt2kimi.backbone import BackboneConfig, LanguageModel, count_parameters
 from gpt2kimi.configs import MoEConfig
-from gpt2kimi.data import lm_batches, load_corpus
+from gpt2kimi.data import fixed_val_batches, lm_batches, load_corpus
 from gpt2kimi.experiments.sweep import map_jobs
 from gpt2kimi.moe import AuxLossWrapper, MoE, dense_equivalent, moe_layers
 from gpt2kimi.train import TrainConfig, train
@@ -108,10 +108,10 @@ def expert_choice_by_byte(model, ids: torch.Tensor, block_size: int) -> list[lis
     model.eval()
     n_windows = len(ids) // block_size
     x = ids[: n_windows * block_size].view(n_windows, block_size)
-    model(x)
+    model(x.to(next(model.parameters()).device))
     tables = []
     for layer in moe_layers(model):
-        experts = layer.last_routing.experts  # [N, k]
+        experts = layer.last_routing.experts.cpu()  # [N, k]
         rows = x.flatten()[:, None].expand_as(experts)
         count = torch.zeros(256, layer.config.n_experts, dtype=torch.long)
         count.index_put_((rows.flatten(), experts.flatten()), torch.ones_like(rows.flatten()), True)
@@ -130,9 +130,22 @@ def shares_by_class(counts: list[list[int]]) -> dict[str, list[float]]:
     return shares
 
 
-def run_variant(variant: str, settings: MoETrainSettings) -> dict:
-    """Train one variant; return its record (losses, load over training, expert choice)."""
-    model = build_model(variant, settings)
+def run_variant(
+    variant: str,
+    settings: MoETrainSettings,
+    *,
+    val_batch_size: int | None = None,
+    device: torch.device | str = "cpu",
+) -> dict:
+    """Train one variant; return its record (losses, load over training, expert choice).
+
+    ``val_batch_size=None`` validates on ``settings.eval_batches`` random batches of the seed's
+    own stream (chapter 7's recorded runs); a number validates on the whole validation split in
+    fixed windows (:func:`gpt2kimi.data.fixed_val_batches`, batches of that many windows), the
+    same for every seed, and adds ``tokens_per_s`` and ``device`` to the record. The model
+    trains on ``device``.
+    """
+    model = build_model(variant, settings).to(device)
     corpus = load_corpus()
     batches = lm_batches(corpus, settings.batch_size, settings.block_size, seed=settings.seed)
     cfg = TrainConfig(
@@ -143,16 +156,23 @@ def run_variant(variant: str, settings: MoETrainSettings) -> dict:
         eval_batches=settings.eval_batches,
         seed=settings.seed,
     )
+    val_set = None
+    if val_batch_size is not None:
+        val_set = fixed_val_batches(corpus, settings.block_size, val_batch_size)
     start = time.perf_counter()
-    history = train(model, batches, cfg)
+    history = train(model, batches, cfg, val_set=val_set)
+    seconds = time.perf_counter() - start
     record = {
         "variant": variant,
         "parameters": count_parameters(model),
         "val_steps": history.val_steps,
         "val_loss": [round(v, 4) for v in history.val_loss],
         "final_val_loss": round(history.val_loss[-1], 4),
-        "seconds": round(time.perf_counter() - start, 1),
+        "seconds": round(seconds, 1),
     }
+    if val_set is not None:
+        tokens = settings.steps * settings.batch_size * settings.block_size
+        record.update(tokens_per_s=round(tokens / seconds), device=str(torch.device(device)))
     if variant != "dense":
         # load of each step: max / mean tokens per expert, averaged over the MoE layers
         imbalance = [

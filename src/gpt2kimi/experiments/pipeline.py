@@ -6,15 +6,17 @@ results file: one header line, then one line per finished run::
 
     {"format": "gpt2kimi-results/1", "task": "mqar", "grid": [{...}, ...], "seeds": [0, 1, 2],
      "machine": {...}, "started": "2025-...Z", "code": {"commit": "...", "dirty": false,
-     "hash": "<sha256 of src/gpt2kimi/**/*.py>"}}
+     "hash": "<sha256 of the source the task's runs execute>", "modules": [...], ...}}
     {"settings": {...}, "seed": 0, "record": {"mixer": "softmax", ..., "run_seconds": 41.2}}
     {"session": {"started": "...", "machine": {...}}}        (a later resume, on any machine)
     ...
+    {"verified": {"code": {...}, "runs": [...], ...}}          (:func:`verify`: newer code
+                                                                reproduced some runs)
 
 Why lines: a run is on disk the moment it ends, so a killed or crashed sweep loses only the
 runs in flight, and a re-run skips every run already in the file (same settings and seed). A
 line cut short by a kill is ignored and its run redone. The header names the code that ran
-(:func:`code_hash`); a file is only ever extended by that same code: :func:`sweep` refuses to
+(:func:`task_code_hash`); a file is only ever extended by that same code: :func:`sweep` refuses to
 append records of changed code, so one file never mixes two versions of the library.
 
 :func:`read_results` reads these files and the older single-JSON files
@@ -23,13 +25,15 @@ append records of changed code, so one file never mixes two versions of the libr
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import itertools
 import json
 import os
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -47,19 +51,106 @@ PACKAGE_DIR = Path(gpt2kimi.__file__).resolve().parent
 # the code a file was recorded with
 
 
-def code_hash(package_dir: Path = PACKAGE_DIR) -> str:
-    """sha256 (hex) of the library's source: every ``**/*.py`` under ``package_dir``, in sorted
-    order of their paths relative to it, each path and its bytes hashed in turn.
+# The module that defines every task. Its imports are every task's code (the models, the
+# operators, the data, the training loop); one task's code is its own modules' imports
+# (Task.modules) and this file. Chapter 9, the benchmarks, this pipeline and the registry of
+# results files are no task's code, so editing them leaves every file current.
+RUN_MODULE = "gpt2kimi.experiments.tasks"
 
-    Any edit to any module changes it; where the files live, their timestamps and compiled
-    caches do not.
+
+def _module_file(package_dir: Path, module: str) -> Path | None:
+    """The source file of ``module`` (``gpt2kimi.x.y``) under ``package_dir``, or None."""
+    parts = module.split(".")[1:]
+    for path in (package_dir.joinpath(*parts).with_suffix(".py"),
+                 package_dir.joinpath(*parts, "__init__.py")):
+        if parts and path.is_file():
+            return path
+    init = package_dir / "__init__.py"
+    return init if not parts and init.is_file() else None
+
+
+def _imported_modules(path: Path, package: str) -> set[str]:
+    """Every ``package...`` module that the file imports anywhere (functions included), each
+    with its parent packages, whose ``__init__`` runs on the way."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_bytes())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # ``from a.b import c``: c may be a submodule of a.b, or a name defined in it
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == package:
+                found.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return found
+
+
+def source_files(
+    package_dir: Path = PACKAGE_DIR,
+    module: str | Sequence[str] = RUN_MODULE,
+    shallow: Sequence[str] = (),
+) -> list[Path]:
+    """The source files that importing ``module`` (a name or several) runs: its own and those of
+    every module of the package it imports, transitively (found by reading the imports, not by
+    running them), and the ``__init__`` of every package on the way; plus the files of the
+    ``shallow`` modules alone, their imports not followed. ``module`` the package's own name
+    (``"gpt2kimi"``): every source file of the package.
+    """
+    modules = [module] if isinstance(module, str) else list(module)
+    package = modules[0].split(".")[0]
+    if modules == [package]:
+        return sorted(p for p in package_dir.rglob("*.py") if "__pycache__" not in p.parts)
+    files = {p for name in shallow if (p := _module_file(package_dir, name)) is not None}
+    todo = [".".join(m.split(".")[:i]) for m in modules for i in range(1, m.count(".") + 2)]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        path = _module_file(package_dir, name)
+        if path is None:
+            continue  # a name defined in a module, not a module
+        files.add(path)
+        todo.extend(_imported_modules(path, package) - seen)
+    return sorted(files)
+
+
+def code_hash(
+    package_dir: Path = PACKAGE_DIR,
+    module: str | Sequence[str] = RUN_MODULE,
+    shallow: Sequence[str] = (),
+) -> str:
+    """sha256 (hex) of the code a run executes: :func:`source_files` of ``module`` (and the
+    ``shallow`` modules' own files) under ``package_dir``, in sorted order of their paths
+    relative to it, each path and its bytes hashed in turn.
+
+    Any edit to any of those modules changes it; edits elsewhere in the library, where the
+    files live, their timestamps and compiled caches do not. ``module="gpt2kimi"``: every
+    module of the package.
     """
     digest = hashlib.sha256()
-    paths = sorted(p for p in package_dir.rglob("*.py") if "__pycache__" not in p.parts)
-    for path in paths:
+    for path in source_files(package_dir, module, shallow):
         digest.update(path.relative_to(package_dir).as_posix().encode() + b"\0")
         digest.update(path.read_bytes() + b"\0")
     return digest.hexdigest()
+
+
+def task_code(task: Task) -> dict:
+    """What makes up a task's code: the modules whose imports it runs (``task.modules``, their
+    closure) and :data:`RUN_MODULE`, the file that defines every task (alone: it imports every
+    task's modules, and one task's code should not follow another's)."""
+    return {"modules": list(task.modules), "shallow": [RUN_MODULE]}
+
+
+def task_code_hash(task: Task) -> str:
+    """:func:`code_hash` of :func:`task_code`: what a results file of ``task`` records and what
+    ``check`` compares with."""
+    code = task_code(task)
+    return code_hash(PACKAGE_DIR, code["modules"], code["shallow"])
 
 
 def _git(*args: str) -> str | None:
@@ -72,16 +163,23 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def code_info() -> dict:
-    """The code a run uses: ``{"commit": git HEAD or None, "dirty": whether the library's
-    source differs from it (None outside git), "hash": code_hash()}``. Only the hash decides
-    whether a file is current; the commit tells a reader where to look."""
+def code_info(task: Task) -> dict:
+    """The code a run of ``task`` executes: ``{"commit": git HEAD or None, "dirty": whether
+    that source differs from it (None outside git), "hash": task_code_hash(task), and
+    task_code(task)}``; outside git, the commit is ``$GPT2KIMI_COMMIT`` if set (a copy sent
+    to another machine). Only the hash decides whether a file is current; the commit tells a
+    reader where to look."""
     commit = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain", "--", ".") if commit else None
+    code = task_code(task)
+    files = [str(p) for p in source_files(PACKAGE_DIR, code["modules"], code["shallow"])]
+    status = _git("status", "--porcelain", "--", *files) if commit else None
+    if commit is None:  # a copy without git history: the commit it was copied from, if told
+        commit = os.environ.get("GPT2KIMI_COMMIT")
     return {
         "commit": commit,
         "dirty": None if status is None else bool(status),
-        "hash": code_hash(),
+        "hash": task_code_hash(task),
+        **code,
     }
 
 
@@ -169,6 +267,13 @@ def read_results(path: str | Path) -> tuple[dict, list[dict]]:
     return header, [line["record"] for line in runs]
 
 
+def run_lines(path: str | Path) -> list[dict]:
+    """The run lines of a JSON-lines results file, ``{"settings", "seed", "record"}`` each, in
+    the order they were written (a last line cut short left out)."""
+    lines, _ = _read_lines(Path(path))
+    return [line for line in lines[1:] if "record" in line]
+
+
 def _runs_of(header: dict) -> list[tuple[dict, int]]:
     return [(s, seed) for s in header["grid"] for seed in header["seeds"]]
 
@@ -182,6 +287,17 @@ def missing_runs(path: str | Path) -> list[tuple[dict, int]]:
 
 # ----------------------------------------------------------------------------------------------
 # the sweep
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run the block on one PyTorch thread, as a parallel sweep's workers run (then restore)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _run_one(job: tuple[Task, dict, int]) -> dict:
@@ -213,6 +329,20 @@ def _append(f, line: dict) -> None:
     os.fsync(f.fileno())
 
 
+def _header(task: Task, grid, seeds: Iterable[int], jobs: int) -> dict:
+    """The first line of a results file: the task, the full settings of every grid point, the
+    seeds, the machine, the time and the code."""
+    return {
+        "format": FORMAT,
+        "task": task.name,
+        "grid": [task.settings(point) for point in expand_grid(grid)],
+        "seeds": list(seeds),
+        "machine": machine_info(jobs),
+        "started": _now(),
+        "code": code_info(task),
+    }
+
+
 def sweep(
     task: Task,
     grid: dict[str, Sequence] | Iterable[dict],
@@ -233,73 +363,107 @@ def sweep(
 
     If ``out`` exists, the sweep resumes it: the runs already there are skipped. It must hold
     the same task, grid and seeds, and have been started by the same code (the header's
-    :func:`code_hash`); otherwise :class:`ResultsFileError` (``restart=True``: start the file
+    :func:`task_code_hash`); otherwise :class:`ResultsFileError` (``restart=True``: start the file
     afresh). Each record is appended only while the code hash still equals the header's.
     ``out="-"``: no file, every run. Returns ``(header, records)`` as :func:`read_results`.
     """
-    settings_list = [task.settings(point) for point in expand_grid(grid)]
-    seeds = list(seeds)
-    header = {
-        "format": FORMAT,
-        "task": task.name,
-        "grid": settings_list,
-        "seeds": seeds,
-        "machine": None,
-        "started": _now(),
-        "code": code_info(),
-    }
-    threads = torch.get_num_threads()
-    if jobs <= 1:
-        torch.set_num_threads(1)  # every run on one thread, as in a parallel sweep's workers
-    try:
-        header["machine"] = machine_info(jobs)
-        if out == "-":
-            lines = map_jobs(_run_one, [(task, s, seed) for s, seed in _runs_of(header)], jobs,
-                             log=None if log is None else lambda line: log(line["record"]))
-            return header, [line["record"] for line in lines]
-        return _sweep_to_file(task, header, Path(out), jobs, restart, log)
-    finally:
-        torch.set_num_threads(threads)
+    if out != "-":
+        return sweep_files([(task, grid, seeds, out)], jobs, restart=restart, log=log)[0]
+    with _one_thread():
+        header = _header(task, grid, seeds, jobs)
+        lines = map_jobs(_run_one, [(task, s, seed) for s, seed in _runs_of(header)], jobs,
+                         log=None if log is None else lambda line: log(line["record"]))
+    return header, [line["record"] for line in lines]
 
 
-def _sweep_to_file(
-    task: Task, header: dict, path: Path, jobs: int, restart: bool, log
-) -> tuple[dict, list[dict]]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a+b") as f:  # appends only, whatever the position
-        _lock(f)
+def sweep_files(
+    sweeps: Sequence[tuple[Task, dict[str, Sequence] | Iterable[dict], Iterable[int], str | Path]],
+    jobs: int = 1,
+    *,
+    restart: bool = False,
+    log: Callable[[dict], None] | None = None,
+    longest_first: bool = False,
+) -> list[tuple[dict, list[dict]]]:
+    """Several sweeps ``(task, grid, seeds, out)`` through one pool of ``jobs`` runs: each file
+    as :func:`sweep` writes it (resumed, checked, every run appended the moment it ends), the
+    runs of all files interleaved (each file's first missing run, then each file's second, ...)
+    so that no worker idles while any file has runs left, and a cut-short session leaves every
+    file partly done rather than the last ones untouched. ``longest_first``: the runs in order
+    of their task's :meth:`~gpt2kimi.experiments.tasks.Task.cost`, longest first (the pool
+    then ends evenly, and what a cut-short session leaves are the quickest runs). Returns
+    ``(header, records)`` per file, in the order given."""
+    files = []
+    with _one_thread():  # every run on one thread, the header says so too
+        try:
+            for task, grid, seeds, out in sweeps:
+                files.append(_OpenSweep(task, _header(task, grid, seeds, jobs), Path(out), restart))
+            by_job: dict[int, _OpenSweep] = {}
+            todo = []
+            for rank in range(max((len(f.todo) for f in files), default=0)):
+                for f in files:
+                    if rank < len(f.todo):
+                        by_job[len(todo)] = f
+                        todo.append((len(todo), f.todo[rank]))
+            if longest_first:
+                todo.sort(key=lambda job: -job[1][0].cost(job[1][1]))  # stable: ties interleaved
+
+            def append(line: dict) -> None:
+                job, line = line["job"], line["line"]
+                by_job[job].append(line)
+                if log is not None:
+                    log(line["record"])
+
+            map_jobs(_run_numbered, todo, jobs, log=append, ordered=False)
+        finally:
+            for f in files:
+                f.close()
+    return [read_results(f.path) for f in files]
+
+
+def _run_numbered(job: tuple[int, tuple[Task, dict, int]]) -> dict:
+    """:func:`_run_one`, tagged with the job's number (to find its file)."""
+    number, run = job
+    return {"job": number, "line": _run_one(run)}
+
+
+class _OpenSweep:
+    """One results file open for a sweep: locked, checked, its cut-short line dropped, the header
+    written if it is new; ``todo`` the runs it still lacks; :meth:`append` adds one."""
+
+    def __init__(self, task: Task, header: dict, path: Path, restart: bool) -> None:
+        self.task, self.path = task, path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = path.open("a+b")  # appends only, whatever the position
+        _lock(self.f)
         lines, good_end = _read_lines(path)
-        resuming = bool(lines) and not restart  # (a header cut short: start afresh)
-        if resuming:
+        if lines and not restart:  # a resume (a header cut short: start afresh)
             _check_same_sweep(path, lines[0], header)
-            f.truncate(good_end)  # drop a line cut short by a kill
+            self.f.truncate(good_end)  # drop a line cut short by a kill
             done = {run_key(ln["settings"], ln["seed"]) for ln in lines[1:] if "record" in ln}
-            code = lines[0]["code"]["hash"]
-            session = {"started": header["started"], "machine": header["machine"]}
+            self.code = lines[0]["code"]["hash"]
+            self.session = {"started": header["started"], "machine": header["machine"]}
         else:
-            f.truncate(0)
-            done, code, session = set(), header["code"]["hash"], None
-            _append(f, header)
-        todo = [(task, s, seed) for s, seed in _runs_of(header) if run_key(s, seed) not in done]
+            self.f.truncate(0)
+            done, self.code, self.session = set(), header["code"]["hash"], None
+            _append(self.f, header)
+        self.todo = [(task, s, seed) for s, seed in _runs_of(header)
+                     if run_key(s, seed) not in done]
 
-        def append(line: dict) -> None:
-            nonlocal session
-            if session is not None:  # a resume that records something: when and where
-                _append(f, {"session": session})
-                session = None
-            now = code_hash()
-            if now != code:
-                raise ResultsFileError(
-                    f"{path}: the library's code changed during the sweep (file {code[:12]}, "
-                    f"now {now[:12]}); its run was not recorded. Start a new file or pass "
-                    "restart=True."
-                )
-            _append(f, line)
-            if log is not None:
-                log(line["record"])
+    def append(self, line: dict) -> None:
+        if self.session is not None:  # a resume that records something: when and where
+            _append(self.f, {"session": self.session})
+            self.session = None
+        now = task_code_hash(self.task)
+        if now != self.code:
+            raise ResultsFileError(
+                f"{self.path}: the library's code changed during the sweep (file "
+                f"{self.code[:12]}, now {now[:12]}); its run was not recorded. Start a new file "
+                "or pass restart=True."
+            )
+        _append(self.f, line)
 
-        map_jobs(_run_one, todo, jobs, log=append, ordered=False)
-    return read_results(path)
+    def close(self) -> None:
+        self.f.close()
 
 
 def _check_same_sweep(path: Path, old: dict, new: dict) -> None:
@@ -318,3 +482,105 @@ def _check_same_sweep(path: Path, old: dict, new: dict) -> None:
             f"{new['code']['hash']} now. Its records cannot be extended by this code: start a "
             "new file or pass restart=True."
         )
+
+
+# ----------------------------------------------------------------------------------------------
+# verification: today's code reproduces a file that earlier code recorded
+
+# what a record measures about the machine rather than about the model: never compared
+TIMING_FIELDS = frozenset({"seconds", "run_seconds", "tokens_per_s", "device"})
+
+
+class VerificationFailed(RuntimeError):
+    """Today's code does not reproduce the recorded runs: the file stays stale."""
+
+
+def record_differences(recorded: dict, now: dict, tolerance: float) -> list[str]:
+    """Where two records of one run differ: a field missing from either, a number (also inside
+    lists, element by element) off by more than ``tolerance``, any other value unequal. The
+    machine's timings (:data:`TIMING_FIELDS`) are not compared."""
+
+    def walk(name: str, a, b, out: list[str]) -> None:
+        if isinstance(a, bool) or isinstance(b, bool) or not isinstance(a, (int, float, list)):
+            if a != b:
+                out.append(f"{name}: recorded {a!r}, now {b!r}")
+        elif isinstance(a, list):
+            if not isinstance(b, list) or len(a) != len(b):
+                out.append(f"{name}: recorded a list of {len(a)}, now {b!r:.60}")
+                return
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                walk(f"{name}[{i}]", x, y, out)
+        elif not isinstance(b, (int, float)) or abs(a - b) > tolerance:
+            out.append(f"{name}: recorded {a!r}, now {b!r}")
+
+    out: list[str] = []
+    for key in sorted((set(recorded) | set(now)) - TIMING_FIELDS):
+        if key not in recorded or key not in now:
+            out.append(f"{key}: only in the {'recorded' if key in recorded else 'new'} record")
+        else:
+            walk(key, recorded[key], now[key], out)
+    return out
+
+
+def verifications(path: str | Path) -> list[dict]:
+    """The ``"verified"`` lines of a JSON-lines results file (:func:`verify`), oldest first."""
+    lines, _ = _read_lines(Path(path))
+    return [line["verified"] for line in lines[1:] if "verified" in line]
+
+
+def code_hashes(path: str | Path) -> set[str]:
+    """Every code hash that vouches for a results file: the header's, which recorded it, and
+    each of its verifications'."""
+    lines, _ = _read_lines(Path(path))
+    return {lines[0]["code"]["hash"]} | {v["code"]["hash"] for v in verifications(path)}
+
+
+def verify(
+    task: Task,
+    path: str | Path,
+    runs: int = 2,
+    tolerance: float = 1e-4,
+    jobs: int = 1,
+) -> dict:
+    """Re-run ``runs`` recorded runs of the complete file ``path`` (spread evenly through it,
+    the first and the last among them) with today's code, single-threaded as a sweep runs them,
+    and compare each record with the recorded one (:func:`record_differences`). If all agree
+    within ``tolerance``, append a ``"verified"`` line naming today's code (its hash then
+    vouches for the file, :func:`code_hashes`) and return it; otherwise raise
+    :class:`VerificationFailed` with the differences, and write nothing.
+
+    This is how a change to the library that should not change what a file measures (a faster
+    decode path, a docstring) keeps the file current without recording it again: the evidence
+    is the re-run, not the claim. A change that does alter the numbers fails here, and the file
+    must be recorded again (``run NAME`` after deleting it)."""
+    if runs < 1:
+        raise ValueError(f"runs must be at least 1, got {runs}")
+    path = Path(path)
+    missing = len(missing_runs(path))
+    if missing:
+        raise ResultsFileError(f"{path}: {missing} runs missing; finish it first")
+    done = run_lines(path)
+    picks = sorted({round(i * (len(done) - 1) / max(runs - 1, 1)) for i in range(runs)})
+    chosen = [done[i] for i in picks]
+    with _one_thread():
+        again = map_jobs(_run_one, [(task, line["settings"], line["seed"]) for line in chosen],
+                         jobs)
+    report, failures = [], []
+    for index, old, new in zip(picks, chosen, again, strict=True):
+        differences = record_differences(old["record"], new["record"], tolerance)
+        report.append({"settings": old["settings"], "seed": old["seed"],
+                       "differences": len(differences)})
+        failures += [f"run {index + 1} of the file (seed {old['seed']}): {d}"
+                     for d in differences]
+    if failures:
+        raise VerificationFailed(
+            f"{path}: today's code does not reproduce {sum(r['differences'] > 0 for r in report)}"
+            f" of {len(report)} re-run runs (tolerance {tolerance}):\n  "
+            + "\n  ".join(failures[:20])
+        )
+    line = {"verified": {"code": code_info(task), "time": _now(), "machine": machine_info(jobs),
+                         "tolerance": tolerance, "runs": report}}
+    with path.open("ab") as f:
+        _lock(f)
+        _append(f, line)
+    return line["verified"]

@@ -201,6 +201,7 @@ def train_rewrite(
 # a sweep over models, task sizes and seeds
 
 ModelFactory = Callable[[], nn.Module]
+Probe = Callable[[nn.Module], dict]  # a trained model -> more fields of its record
 
 
 def run_rewrite(
@@ -208,16 +209,18 @@ def run_rewrite(
     cfg: RewriteConfig,
     training: MQARTraining | None = None,
     seed: int = 0,
+    probe: Probe | None = None,
 ) -> dict:
     """Seed, build ``make_model()``, train it on ``cfg`` with ``training`` (its seed replaced by
     ``seed``); return ``{"num_keys", "seed", "accuracy", "stale", "seconds", "final_loss"}``
     with floats rounded to 4 digits (as :func:`gpt2kimi.experiments.mqar.run_mqar` records MQAR
-    runs)."""
+    runs), and what ``probe(trained model)`` measures besides."""
     training = MQARTraining(seed=seed) if training is None else replace(training, seed=seed)
     torch.manual_seed(seed)
-    result = train_rewrite(make_model(), cfg, training)
+    model = make_model()
+    result = train_rewrite(model, cfg, training)
     record = {"num_keys": cfg.num_keys, "seed": seed, **result.as_dict()}
-    return rounded(record)
+    return rounded({**record, **(probe(model) if probe else {})})
 
 
 def _run_rewrite_job(job: tuple[str, ModelFactory, RewriteConfig, MQARTraining, int]) -> dict:
@@ -435,15 +438,17 @@ def run_window_recall(
     cfg: WindowRecallConfig,
     training: MQARTraining | None = None,
     seed: int = 0,
+    probe: Probe | None = None,
 ) -> dict:
     """Seed, build ``make_model()``, train it on ``cfg`` with ``training`` (its seed replaced by
     ``seed``); return ``{"seq_len", "window", "seed", "accuracy", "seconds", "final_loss",
-    "by_part"}`` with floats rounded to 4 digits."""
+    "by_part"}`` with floats rounded to 4 digits, and what ``probe(trained model)`` measures."""
     training = MQARTraining(seed=seed) if training is None else replace(training, seed=seed)
     torch.manual_seed(seed)
-    result = train_window_recall(make_model(), cfg, training)
+    model = make_model()
+    result = train_window_recall(model, cfg, training)
     record = {"seq_len": cfg.seq_len, "window": cfg.window, "seed": seed, **result.as_dict()}
-    return rounded(record)
+    return rounded({**record, **(probe(model) if probe else {})})
 
 
 def _run_window_recall_job(

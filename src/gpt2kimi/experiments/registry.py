@@ -21,7 +21,12 @@ from functools import partial
 from gpt2kimi.attention import SoftmaxAttention
 from gpt2kimi.backbone import BackboneConfig, FFNFactory, LanguageModel, MixerFactory, SwiGLU
 from gpt2kimi.deltanet import DeltaNet
-from gpt2kimi.experiments.ablations import AdditiveDeltaNet, KDAWithoutForgetting
+from gpt2kimi.experiments.ablations import (
+    AdditiveDeltaNet,
+    GatedLinearAttention,
+    KDAWithoutForgetting,
+)
+from gpt2kimi.experiments.sweep import run_device
 from gpt2kimi.gated_deltanet import GatedDeltaNet
 from gpt2kimi.kda import KimiDeltaAttention
 from gpt2kimi.linear_attention import LinearAttention
@@ -39,6 +44,8 @@ MIXERS: dict[str, MixerFactory] = {
     "deltanet": DeltaNet,
     # chapter 4's ablation: DeltaNet's layer with linear attention's additive update
     "deltanet_additive": AdditiveDeltaNet,
+    # chapter 5: forgetting without the delta rule, S ← α S + k vᵀ (Mamba-2's update)
+    "gated_linear": GatedLinearAttention,
     # chapter 5: forgetting, one gate per head
     "gated_deltanet": GatedDeltaNet,
     # chapter 5: the same with a sigmoid output gate instead of swish (a small-budget ablation)
@@ -78,22 +85,35 @@ def build_model(
     mixer: str | Sequence[str],
     config: BackboneConfig,
     ffn: str | FFNFactory | Sequence[FFNFactory] | None = None,
+    per_mixer: dict[str, dict] | None = None,
     **mixer_kwargs,
 ) -> LanguageModel:
     """The shared backbone with the named mixer in every layer (or one name per layer).
 
-    ``mixer_kwargs`` go to every mixer's constructor; ``ffn`` is a name, a constructor, a list of
-    constructors (one per layer), or None for the default SwiGLU.
+    ``mixer_kwargs`` go to every mixer's constructor, ``per_mixer[name]`` to that mixer's only
+    (``{"kda": {"head_dim": 4}}`` shrinks the KDA layers of a hybrid and leaves its MLA layer
+    as it is); ``ffn`` is a name, a constructor, a list of
+    constructors (one per layer), or None for the default SwiGLU. The model is on
+    :func:`~gpt2kimi.experiments.sweep.run_device` (the CPU unless ``$GPT2KIMI_DEVICE`` says).
     """
+    per_mixer = per_mixer or {}
+    names = [mixer] if isinstance(mixer, str) else list(mixer)
+    unused = sorted(set(per_mixer) - set(names))
+    if unused:
+        raise ValueError(f"per_mixer names {unused}, which the model {names} does not use")
+
+    def factory(name: str) -> MixerFactory:
+        return mixer_factory(name, **mixer_kwargs, **per_mixer.get(name, {}))
+
     if isinstance(mixer, str):
-        mixers: MixerFactory | list[MixerFactory] = mixer_factory(mixer, **mixer_kwargs)
+        mixers: MixerFactory | list[MixerFactory] = factory(mixer)
     else:
-        names = list(mixer)
         if len(names) != config.n_layer:
             raise ValueError(f"got {len(names)} mixer names for n_layer={config.n_layer} layers")
-        mixers = [mixer_factory(name, **mixer_kwargs) for name in names]
+        mixers = [factory(name) for name in names]
     per_layer_ffns = isinstance(ffn, Sequence) and not isinstance(ffn, str)
-    return LanguageModel(config, mixers, ffn if per_layer_ffns else ffn_factory(ffn))
+    model = LanguageModel(config, mixers, ffn if per_layer_ffns else ffn_factory(ffn))
+    return model.to(run_device())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,10 +27,11 @@ from gpt2kimi.experiments.hybrid_train import MQAR_MIXES
 from gpt2kimi.experiments.pipeline import (
     FORMAT,
     PACKAGE_DIR,
-    code_hash,
+    code_hashes,
     expand_grid,
     missing_runs,
     read_results,
+    task_code_hash,
 )
 from gpt2kimi.experiments.tasks import get_task
 
@@ -112,11 +113,9 @@ def _window(name, mixers, description, minutes, seeds=SEEDS, legacy_command=None
 
 ENTRIES: list[ResultsEntry] = [
     _mqar("mqar_linear_attention", ["softmax", "linear", "linear_elu"],
-          "MQAR recall of softmax and linear attention (identity and elu+1) against pairs",
-          "3", 33),
-    _mqar("mqar_seeds_3_4_ch3", ["linear", "linear_elu"],
-          "seeds 3-4 of chapter 3's linear attentions where orderings were close (patch file)",
-          "3", 6, pairs=[2, 4, 8], seeds=(3, 4)),
+          "MQAR recall of softmax and linear attention (identity and elu+1) against pairs, one "
+          "rate (chapters 4-6 and 8 compare with it until their own sweeps replace it)",
+          "4, 5, 6, 8", 33),
     _mqar("mqar_deltanet", ["deltanet"], "MQAR recall of DeltaNet against pairs", "4", 13),
     _mqar("mqar_ablations", ["deltanet_additive", "kda_no_forget"],
           "DeltaNet with an additive update and KDA without forgetting, at 8 pairs", "4, 5", 6,
@@ -172,15 +171,6 @@ ENTRIES: list[ResultsEntry] = [
           "the live subset chapter 6 re-runs: 4 pairs, seed 0, 100 steps", "6", 2.5,
           pairs=[4], seeds=(0,), train_steps=100),
     ResultsEntry(
-        "moe_train", "lm_moe", {"variant": list(moe_train.VARIANTS)}, (0,),
-        "byte LM: dense FFN against MoE (no balancing, aux loss, bias update), one seed", "7",
-        15, "python -m gpt2kimi.experiments moe-train", "moe_train.json"),
-    ResultsEntry(
-        "moe_train_live", "lm_moe", {"variant": ["dense", "moe_bias"], "steps": [150]}, (0,),
-        "the live subset chapter 7 re-runs: dense and moe_bias, 150 steps", "7", 1.5,
-        "python -m gpt2kimi.experiments moe-train --variants dense moe_bias --steps 150 "
-        "--out book/data/moe_train_live.json", "moe_train_live.json"),
-    ResultsEntry(
         "hybrid_lm", "lm_hybrid", {"model": ["gpt2", "3:1", "0:1", "1:1", "all-KDA"]}, SEEDS,
         "byte LM: GPT-2 of equal active parameters against the hybrid at four KDA:MLA mixes",
         "8", 6, "python -m gpt2kimi.experiments hybrid --train lm --out book/data/hybrid_lm.json",
@@ -190,6 +180,126 @@ ENTRIES: list[ResultsEntry] = [
         "MQAR recall of the hybrid (KDA then MLA), pure KDA and pure MLA against pairs", "8",
         27, "python -m gpt2kimi.experiments hybrid --train mqar --out book/data/hybrid_mqar.json",
         "hybrid_mqar.json"),
+]
+
+# ----------------------------------------------------------------------------------------------
+# the experiments where the thesis can fail: every mixer at four learning rates over a 10x range
+# (the best one is read per mixer and setting), three seeds chosen before the runs, fixed test
+# sets; the fixed memories shrunk (head_dim) until they overflow at the pairs softmax attention
+# still learns at MQAR's budget (up to 8 pairs in 32 tokens)
+
+LRS = [1e-3, 2e-3, 5e-3, 1e-2]
+HEAD_DIMS = [4, 32]  # a fixed memory of head_dim × head_dim per head; 32 = d_model / n_head
+DELTA_RULES = ["deltanet", "gated_deltanet", "kda"]
+# stale bindings: 4 keys (as many as a shrunk memory has directions) rewritten about 25 times
+STALE = dict(num_keys=4, seq_len=64, query_prob=0.25, train_batch_size=32)
+
+
+def _points(**axes) -> list[dict]:
+    return expand_grid({k: v if isinstance(v, list) else [v] for k, v in axes.items()})
+
+
+def _options(mixers: list[str], head_dim: int) -> list[dict]:
+    return [{"mixer": m, "mixer_options": {m: {"head_dim": head_dim}}} for m in mixers]
+
+
+ENTRIES += [
+    ResultsEntry(
+        "capacity_linear", "mqar",
+        _points(mixer=["softmax", "linear", "linear_elu"], num_pairs=[2, 4, 8], train_lr=LRS),
+        SEEDS, "MQAR recall against pairs: softmax attention (exact) and linear attention "
+        "(identity and elu+1 feature maps), each at 4 learning rates", "3, 4", 35),
+    ResultsEntry(
+        "capacity_delta", "mqar",
+        [{**m, **p} for m in _options(DELTA_RULES, 32)
+         for p in _points(num_pairs=[2, 4, 8], train_lr=LRS)],
+        SEEDS, "MQAR recall against pairs of the delta rules (DeltaNet, Gated DeltaNet, KDA) "
+        "with a full 32-wide memory per head, each at 4 learning rates", "4, 5", 82),
+    ResultsEntry(
+        "capacity_narrow", "mqar",
+        [{**m, **p} for m in _options(["linear", "deltanet", "deltanet_additive"], 4)
+         for p in _points(num_pairs=[2, 4, 8], train_lr=LRS)],
+        SEEDS, "MQAR recall against pairs with the fixed memories shrunk to 4 x 4 per head: "
+        "linear attention, DeltaNet, and DeltaNet's layer with an additive update, each at 4 "
+        "learning rates", "4", 46),
+    ResultsEntry(
+        "capacity_narrow_gated", "mqar",
+        [{**m, **p} for m in _options(["gated_deltanet", "kda"], 4)
+         for p in _points(num_pairs=[2, 4, 8], train_lr=LRS)],
+        SEEDS, "MQAR recall against pairs of the gated delta rules (Gated DeltaNet, KDA) with "
+        "their memories shrunk to 4 x 4 per head, each at 4 learning rates", "5", 31),
+    ResultsEntry(
+        "capacity_ablations", "mqar",
+        _points(mixer=["deltanet_additive", "kda_no_forget"], num_pairs=8, train_lr=LRS),
+        SEEDS, "MQAR at 8 pairs of DeltaNet's layer with an additive update and of KDA without "
+        "its forget gate (full 32-wide memories), each at 4 learning rates", "4, 5", 17),
+    ResultsEntry(
+        "capacity_mla", "mqar",
+        _points(mixer="mla", num_pairs=[2, 4, 8], train_lr=LRS)
+        + [{"mixer": "mla", "mixer_options": {"mla": {"kv_lora_rank": r}}, **p}
+           for r in [2, 4, 8] for p in _points(num_pairs=8, train_lr=LRS)],
+        SEEDS, "MQAR recall of MLA against pairs, and at 8 pairs with its latent cut to 2, 4, "
+        "8 (the default: 27), each at 4 learning rates", "6", 31),
+    # chapter 8's recall test in two files of about an hour: the overflowing KDA with and
+    # without one MLA layer, then the two bounds (KDA at full width, MLA throughout)
+    ResultsEntry(
+        "capacity_hybrid", "mqar",
+        [{"mixer": mix, "mixer_options": {"kda": {"head_dim": 4}}, **p}
+         for mix in ["kda,kda,kda,kda", "kda,kda,kda,mla"]
+         for p in _points(num_pairs=8, n_layer=4, train_lr=LRS)],
+        SEEDS, "MQAR recall of 4 layers at 8 pairs: KDA with an overflowing memory (head_dim 4) "
+        "throughout, and the 3:1 hybrid of it with one MLA layer, each at 4 learning rates", "8",
+        60),
+    ResultsEntry(
+        "capacity_hybrid_bounds", "mqar",
+        [{"mixer": mix, "mixer_options": {}, **p}
+         for mix in ["kda,kda,kda,kda", "mla,mla,mla,mla"]
+         for p in _points(num_pairs=8, n_layer=4, train_lr=LRS)],
+        SEEDS, "the bounds of capacity_hybrid: 4 layers of KDA at full width (head_dim 32) and "
+        "of MLA, at 8 pairs, each at 4 learning rates", "8", 60),
+    ResultsEntry(
+        "forget_stale", "rewrite",
+        _points(mixer="softmax", **STALE, train_lr=LRS)
+        + [{**m, **p} for m in _options(
+            ["linear", "gated_linear", "deltanet", "gated_deltanet", "kda", "kda_no_forget"], 4)
+           for p in _points(**STALE, train_lr=LRS)],
+        SEEDS, "stale bindings: 4 keys rewritten again and again in 64 tokens (about 25 "
+        "writes, 6x a 4-wide memory), with and without forget gates", "5", 75),
+]
+# byte-level language models (chapters 7 and 8): 1,500 steps, three seeds, the whole validation
+# split in fixed windows, four rates over a 10x range (evenly spaced in log; a 300-step pilot
+# put every model's best inside). The rates run outermost, the pilot's best first, so that a
+# sweep cut short holds whole rates.
+LM_LRS = [4.64e-3, 2.15e-3, 1e-2, 1e-3]
+
+ENTRIES += [
+    # chapter 8's language models, in three files of at most about an hour on two cores
+    # (KDA's chunk form is the slow part on a CPU: a 3:1 run takes about 5 minutes, GPT-2's 1)
+    ResultsEntry(
+        "lm_hybrid_baselines", "lm_hybrid_ablation",
+        {"lr": LM_LRS, "model": ["gpt2", "gpt2_conv", "0:1"]},
+        SEEDS, "byte LM, 1,500 steps: GPT-2, GPT-2 with the hybrid's short convolution, and the "
+        "hybrid's layout with MLA in every layer (0:1), each at 4 learning rates", "8", 21),
+    ResultsEntry(
+        "lm_hybrid_ffn", "lm_hybrid_ablation",
+        {"lr": LM_LRS, "model": ["3:1", "3:1_dense"]},
+        SEEDS, "byte LM, 1,500 steps: the 3:1 KDA:MLA hybrid with experts and with a dense "
+        "feed-forward of equal active parameters, each at 4 learning rates", "8", 57),
+    ResultsEntry(
+        "lm_hybrid_ratios", "lm_hybrid_ablation",
+        {"lr": LM_LRS, "model": ["1:1", "all-KDA"]},
+        SEEDS, "byte LM, 1,500 steps: the hybrid's other KDA:MLA ratios (1:1 and KDA in every "
+        "layer), each at 4 learning rates", "8", 60),
+    ResultsEntry(
+        "lm_moe", "lm_moe_fixed",
+        {"lr": LM_LRS, "variant": list(moe_train.VARIANTS)},
+        SEEDS, "byte LM, 1,500 steps: a dense feed-forward against MoE of equal active "
+        "parameters (no balancing, auxiliary loss, bias update)", "7", 34),
+    ResultsEntry(
+        "lm_moe_live", "lm_moe_fixed",
+        {"variant": ["dense", "moe_bias"], "lr": [LM_LRS[0]], "steps": [150],
+         "eval_interval": [150]},
+        (0,), "the live subset chapter 7 re-runs: dense and moe_bias, 150 steps, seed 0", "7", 1),
 ]
 REGISTRY: dict[str, ResultsEntry] = {entry.name: entry for entry in ENTRIES}
 
@@ -209,9 +319,11 @@ def default_data_dir() -> Path:
 
 def file_status(entry: ResultsEntry, path: Path, today: str | None = None) -> str:
     """``"current"`` or why the pipeline file ``path`` of ``entry`` is stale: another task,
-    grid or seeds than the registry's, another code hash than today's (``today``, default
-    :func:`~gpt2kimi.experiments.pipeline.code_hash`), or runs still missing."""
-    today = code_hash() if today is None else today
+    grid or seeds than the registry's, code that neither recorded it nor reproduced it (today's
+    :func:`~gpt2kimi.experiments.pipeline.task_code_hash` of the entry's task, or ``today``,
+    is not among :func:`~gpt2kimi.experiments.pipeline.code_hashes`: the header's and each
+    :func:`~gpt2kimi.experiments.pipeline.verify`'s), or runs still missing."""
+    today = task_code_hash(get_task(entry.task)) if today is None else today
     header, _ = read_results(path)
     if header.get("format") != FORMAT:
         return f"stale: not a {FORMAT} file"
@@ -221,9 +333,10 @@ def file_status(entry: ResultsEntry, path: Path, today: str | None = None) -> st
         return "stale: its settings differ from the registry's"
     if header["seeds"] != list(entry.seeds):
         return f"stale: seeds {header['seeds']}, registry {list(entry.seeds)}"
-    if header["code"]["hash"] != today:
+    if today not in code_hashes(path):
         return (f"stale: recorded by code {header['code']['hash'][:12]}, today's is "
-                f"{today[:12]}")
+                f"{today[:12]} (record it again, or `verify` it if today's code should "
+                "reproduce it)")
     missing = len(missing_runs(path))
     if missing:
         return f"incomplete: {missing} of {len(entry.runs())} runs missing (run resumes it)"
@@ -250,7 +363,6 @@ def check_files(
     task, grid, seeds and code hash equal the registry's and today's, with every run present.
     A file no entry names is ``"unregistered"``; a legacy file is stale."""
     registry = REGISTRY if registry is None else registry
-    today = code_hash() if today is None else today
     by_path = {entry.path: entry for entry in registry.values()}
     by_legacy: dict[str, list[str]] = {}
     for entry in registry.values():

@@ -21,6 +21,16 @@ import torch
 from gpt2kimi.progress import progress, silence_progress_in_this_process
 
 
+def run_device() -> torch.device:
+    """Where the experiments' models train: ``$GPT2KIMI_DEVICE`` (e.g. ``cuda``), else the CPU.
+
+    A sweep's worker processes inherit the variable, so ``GPT2KIMI_DEVICE=cuda python -m
+    gpt2kimi.experiments run NAME`` trains every run on the GPU; the results file records the
+    device in its machine (:func:`machine_info`). Data is drawn on the CPU either way.
+    """
+    return torch.device(os.environ.get("GPT2KIMI_DEVICE", "cpu"))
+
+
 def map_jobs(
     run: Callable[..., dict],
     job_list: Sequence,
@@ -115,7 +125,15 @@ def cpu_model() -> str:
 def machine_info(jobs: int = 1) -> dict:
     """The machine and how a sweep of ``jobs`` parallel runs used it: CPU model, logical CPUs,
     threads per run (1 in a parallel sweep's workers, see :func:`map_jobs`; this
-    process's count otherwise), runs at once, torch and Python versions, the date (UTC)."""
+    process's count otherwise), runs at once, torch and Python versions, the date (UTC), and
+    the accelerator the runs trained on (``"device"``, only when :func:`run_device` is not
+    the CPU)."""
+    device = run_device()
+    accelerator = {}
+    if device.type == "cuda":
+        accelerator = {"device": torch.cuda.get_device_name(device)}
+    elif device.type != "cpu":
+        accelerator = {"device": str(device)}
     return {
         "cpu": cpu_model(),
         "logical_cpus": os.cpu_count(),
@@ -124,4 +142,5 @@ def machine_info(jobs: int = 1) -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        **accelerator,
     }

@@ -12,6 +12,8 @@ All take q, k [B, T, H, K] and v [B, T, H, V] in fla's layout, accept ``scale`` 
 ``chunk_delta_rule``              same, chunkwise (WY representation, UT transform)
 ``recurrent_gated_delta_rule``    ``(q, k, v, g, beta, ...)``: g [B, T, H] (chapter 5)
 ``chunk_gated_delta_rule``        same, chunkwise
+``recurrent_simple_gla``          ``(q, k, v, g, ...)``: ``S = α S + k vᵀ``, g [B, T, H] (ch. 5)
+``chunk_simple_gla``              same, chunkwise
 ``recurrent_kda``                 ``(q, k, v, g, beta, ...)``: g [B, T, H, K] (chapter 5)
 ``chunk_kda``                     same, chunkwise
 ================================  ==========================================================
@@ -26,15 +28,18 @@ from gpt2kimi.ops.delta_rule import chunk_delta_rule, recurrent_delta_rule
 from gpt2kimi.ops.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from gpt2kimi.ops.kda import chunk_kda, recurrent_kda
 from gpt2kimi.ops.linear_attn import chunk_linear_attn, parallel_linear_attn, recurrent_linear_attn
+from gpt2kimi.ops.simple_gla import chunk_simple_gla, recurrent_simple_gla
 
 __all__ = [
     "chunk_delta_rule",
     "chunk_gated_delta_rule",
     "chunk_kda",
     "chunk_linear_attn",
+    "chunk_simple_gla",
     "parallel_linear_attn",
     "recurrent_delta_rule",
     "recurrent_gated_delta_rule",
     "recurrent_kda",
     "recurrent_linear_attn",
+    "recurrent_simple_gla",
 ]

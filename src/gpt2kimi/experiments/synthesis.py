@@ -1,0 +1,296 @@
+"""Chapter 8's closing accounts: what a decoding sequence keeps, what a decode step reads, and
+what every mixer of the book stores, updates and reads, with its costs.
+
+One definition of a sequence's decoding memory serves the whole chapter: the growing cache
+(:meth:`HybridConfig.cache_bytes_per_token` per token) plus the fixed state
+(:meth:`HybridConfig.state_bytes`: each KDA layer's memory **and** its convolution's last
+inputs), the same count a :class:`~gpt2kimi.backbone.ModelCache` reports as ``growing_bytes`` and
+``fixed_bytes`` (:func:`cache_profile` reads them from a model).
+
+A decode step of a batch reads every weight its tokens use once, and each sequence's cache and
+state. In a Mixture-of-Experts layer a batch of ``B`` tokens touches the **union** of their
+experts: with top-``k`` of ``E`` experts chosen uniformly, ``E · (1 − (1 − k/E)^B)`` of them on
+average (:func:`experts_touched`), not ``k``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gpt2kimi.accounting import format_bytes, kda_param_count, moe_param_count, param_count
+from gpt2kimi.configs import HybridConfig
+from gpt2kimi.experiments.hybrid_speed import decode_timer
+from gpt2kimi.experiments.pipeline import read_results
+from gpt2kimi.experiments.registry import build_model, mqar_model_config
+from gpt2kimi.moe import MoE
+from gpt2kimi.timing import fastest_interleaved
+
+# ----------------------------------------------------------------------------------------------
+# one sequence's decoding memory, and the bytes of a decode step
+
+
+def sequence_bytes(
+    config: HybridConfig, context_len: int, cache_bytes: int = 2, state_bytes: int = 4
+) -> int:
+    """Bytes one decoding sequence of ``context_len`` tokens keeps: the MLA layers' latent cache
+    (``cache_bytes`` per number, bf16 by default) and the KDA layers' fixed state, memory and
+    convolution tail (``state_bytes`` per number, fp32 by default, as implementations keep it)."""
+    return context_len * config.cache_bytes_per_token(cache_bytes) + config.state_bytes(
+        state_bytes
+    )
+
+
+def all_mla(config: HybridConfig) -> HybridConfig:
+    """The same model with MLA in every layer (the hybrid's full-attention baseline)."""
+    return config.replace(mixers=("mla",) * config.n_layer)
+
+
+def mha_bytes_per_token(config: HybridConfig, bytes_per_element: int = 2) -> int:
+    """What multi-head attention with the MLA layers' heads (``n_head`` heads of ``v_head_dim``;
+    Kimi-Linear-48B: 32 of 128) in every layer caches per token: a key and a value per head."""
+    return 2 * config.n_layer * config.mla.n_head * config.mla.v_head_dim * bytes_per_element
+
+
+def experts_touched(n_experts: int, top_k: int, batch: int) -> float:
+    """Expected number of distinct routed experts a batch of ``batch`` tokens uses in one MoE
+    layer, each token choosing ``top_k`` of ``n_experts`` uniformly: ``E · (1 − (1 − k/E)^B)``.
+    (An expert is missed by one token with probability ``1 − k/E``.)"""
+    return n_experts * (1 - (1 - top_k / n_experts) ** batch)
+
+
+def weights_read(model: nn.Module, batch: int) -> float:
+    """Parameters one decode step of ``batch`` sequences reads: every parameter but the input
+    table (a token reads one row), and in each MoE layer only the routed experts its tokens
+    touch (:func:`experts_touched`), not all of them."""
+    table = model.embed.weight.numel()
+    total = sum(p.numel() for p in model.parameters()) - table
+    for module in model.modules():
+        if isinstance(module, MoE):
+            c = module.config
+            per_expert = sum(p[0].numel() for p in module.experts.parameters())
+            unused = c.n_experts - experts_touched(c.n_experts, c.top_k, batch)
+            total -= unused * per_expert
+    return total
+
+
+def cache_profile(model: nn.Module) -> tuple[int, int]:
+    """``(bytes per token, fixed bytes)`` of one decoding sequence, as the model's
+    :class:`~gpt2kimi.backbone.ModelCache` counts them (in the model's dtype): one token goes
+    through a fresh cache, so the fixed states exist."""
+    cache = model.new_cache(1, 1)
+    with torch.no_grad():
+        model(torch.zeros(1, 1, dtype=torch.long), cache=cache)
+    return cache.bytes_per_token, cache.fixed_bytes
+
+
+def step_bytes(model: nn.Module, context_len: int, batch: int, element: int = 4) -> float:
+    """Bytes one decode step reads: the weights (:func:`weights_read`) and each sequence's
+    cache of ``context_len`` tokens and fixed state (:func:`cache_profile`), in the model's
+    dtype (``element`` bytes per weight)."""
+    per_token, fixed = cache_profile(model)
+    return weights_read(model, batch) * element + batch * (context_len * per_token + fixed)
+
+
+def released_step_bytes(
+    config: HybridConfig, context_len: int, batch: int, weight_bytes: int = 2
+) -> float:
+    """:func:`step_bytes` of a released model from its config alone (bf16 weights and cache, fp32
+    state): the active weights with the union of routed experts, plus ``batch`` sequences."""
+    counts = param_count(config)
+    n_moe, moe = config.ffns.count("moe"), config.moe
+    per_expert = moe_param_count(moe).routed // moe.n_experts
+    weights = counts.active - counts.routed_active + n_moe * per_expert * experts_touched(
+        moe.n_experts, moe.top_k, batch
+    )
+    return weights * weight_bytes + batch * sequence_bytes(config, context_len)
+
+
+# ----------------------------------------------------------------------------------------------
+# every mixer of the book on MQAR: recall at a hard setting against the memory a sequence keeps
+
+
+@dataclass(frozen=True)
+class Mixer:
+    """One mixer of the book as the MQAR experiments trained it."""
+
+    label: str
+    chapter: int
+    file: str  # results file in book/data
+    name: str  # the mixer's name in that file
+    layers: str | tuple[str, ...]  # registry name(s) of the model's layers
+
+    def build(self) -> nn.Module:
+        layers = self.layers if isinstance(self.layers, str) else list(self.layers)
+        return build_model(layers, mqar_model_config()).eval()
+
+
+BOOK_MIXERS: tuple[Mixer, ...] = (
+    Mixer("softmax (MHA)", 2, "mqar_linear_attention.json", "softmax", "softmax"),
+    Mixer("linear attention", 3, "mqar_linear_attention.json", "linear", "linear"),
+    Mixer("DeltaNet", 4, "mqar_deltanet.json", "deltanet", "deltanet"),
+    Mixer("Gated DeltaNet", 5, "mqar_gating.json", "gated_deltanet", "gated_deltanet"),
+    Mixer("KDA", 5, "mqar_gating.json", "kda", "kda"),
+    Mixer("MLA", 6, "mqar_mla.json", "mla", "mla"),
+    Mixer("hybrid (KDA + MLA)", 8, "hybrid_mqar.json", "hybrid", ("kda", "mla")),
+)
+
+
+def recall(data: Path, mixer: Mixer, num_pairs: int = 8) -> list[float]:
+    """The MQAR accuracies of ``mixer`` at ``num_pairs`` pairs in its results file, by seed."""
+    _, records = read_results(Path(data) / mixer.file)
+    found = [r["accuracy"] for r in records
+             if r["mixer"] == mixer.name and r["num_pairs"] == num_pairs]
+    if not found:
+        raise ValueError(f"{mixer.file} has no {mixer.name!r} run at {num_pairs} pairs")
+    return found
+
+
+def decode_rates(
+    models: dict[str, nn.Module], context: int, *, batch: int = 1, steps: int = 4,
+    rounds: int = 3,
+) -> dict[str, float]:
+    """Decoded tokens per second of each model after ``context`` cached tokens, the fastest of
+    ``rounds`` rounds in which the models take turns (a busy moment slows them alike)."""
+    runs = {name: decode_timer(m, context, batch=batch, steps=steps) for name, m in models.items()}
+    best = fastest_interleaved(runs, rounds)
+    return {name: batch * steps / seconds for name, seconds in best.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# the thesis table: what each layer stores, how it updates it, how it reads it, and the costs
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One row: a layer of the book at one model's widths, and its decoding costs per sequence.
+
+    ``flops``: per decoded token at ``context`` cached tokens, 2 per multiply-add, counting the
+    weights the token goes through and the work on the cache or state (norms, activations and
+    the softmax's exponentials left out). ``weights``: the layer's parameters, ``active``: those
+    one token uses.
+    """
+
+    chapter: str
+    layer: str
+    stores: str
+    updates: str
+    reads: str
+    bytes_per_token: int
+    fixed_bytes: int
+    flops: int
+    weights: int
+    active: int
+
+
+def thesis_rows(
+    config: HybridConfig, context: int = 2**20, cache_bytes: int = 2, state_bytes: int = 4
+) -> list[LayerCost]:
+    """One layer of each kind at ``config``'s widths (Kimi-Linear-48B's: d 2304, heads of 128,
+    the latent of 512 + 64, 256 experts), and the whole hybrid.
+
+    Softmax layers get the MLA layers' heads (``n_head`` of ``v_head_dim``); the linear layers
+    the KDA layers' (``n_head`` of ``head_dim``). Their weights: q, k, v and the output
+    projection, plus DeltaNet's β and short convolution, Gated DeltaNet's gate and output gate;
+    KDA, MLA and MoE from their configs (:func:`~gpt2kimi.accounting.kda_param_count`,
+    ``MLAConfig.param_count``, :func:`~gpt2kimi.accounting.moe_param_count`).
+    """
+    d, kda, mla, moe = config.d_model, config.kda, config.mla, config.moe
+    S, Hm, Dv = context, mla.n_head, mla.v_head_dim
+    H, D = kda.n_head, kda.head_dim
+    state = H * D * D  # one layer's memory
+    conv = 3 * H * D * (kda.conv_size - 1)  # its convolution's last inputs of q|k|v
+    softmax_read = 4 * Hm * Dv * S  # scores and weighted sum over every cached token
+
+    def attention(kv_heads: int) -> int:
+        return 2 * d * Hm * Dv + 2 * d * kv_heads * Dv
+
+    linear_w = 4 * d * H * D
+    delta_w = linear_w + d * H + 3 * H * D * kda.conv_size
+    gated_w = delta_w + d * H + 2 * H + d * H * D
+    kda_w = kda_param_count(kda, d)
+    mla_w = mla.param_count
+    mla_read = 2 * Hm * S * mla.cache_dim + 2 * Hm * S * mla.kv_lora_rank  # absorbed
+    moe_c = moe_param_count(moe)
+    moe_active = moe_c.router + moe_c.routed_active + moe_c.shared
+    whole = param_count(config)
+    whole_flops = 2 * whole.active + config.n_mla * mla_read + config.n_kda * 7 * state
+    n_gqa = 8
+    return [
+        LayerCost("2", "MHA", "every token's keys and values", "append", "softmax over the cache",
+                  2 * Hm * Dv * cache_bytes, 0, 2 * attention(Hm) + softmax_read,
+                  attention(Hm), attention(Hm)),
+        LayerCost("2", f"GQA, {n_gqa} KV heads", "keys and values of a few heads", "append",
+                  "softmax over the cache", 2 * n_gqa * Dv * cache_bytes, 0,
+                  2 * attention(n_gqa) + softmax_read, attention(n_gqa), attention(n_gqa)),
+        LayerCost("3", "linear attention", "a d_k × d_v matrix per head", "add k vᵀ", "Sᵀq",
+                  0, state * state_bytes, 2 * linear_w + 4 * state, linear_w, linear_w),
+        LayerCost("4", "DeltaNet", "the same matrix", "overwrite at k by β", "Sᵀq",
+                  0, (state + conv) * state_bytes, 2 * delta_w + 6 * state, delta_w, delta_w),
+        LayerCost("5", "Gated DeltaNet", "the same matrix", "decay per head, then overwrite",
+                  "Sᵀq", 0, (state + conv) * state_bytes, 2 * gated_w + 7 * state, gated_w,
+                  gated_w),
+        LayerCost("5", "KDA", "the same matrix", "decay per key channel, then overwrite", "Sᵀq",
+                  0, (state + conv) * state_bytes, 2 * kda_w + 7 * state, kda_w, kda_w),
+        LayerCost("6", "MLA (absorbed)", "one latent and one shared key per token", "append",
+                  "softmax over the latents", mla.cache_dim * cache_bytes, 0,
+                  2 * mla_w + mla_read, mla_w, mla_w),
+        LayerCost("7", f"MoE ({moe.top_k} of {moe.n_experts} + {moe.n_shared_experts})",
+                  "nothing per sequence: capacity in the weights", "", "a few experts per token",
+                  0, 0, 2 * moe_active, moe_c.router + moe_c.routed + moe_c.shared, moe_active),
+        LayerCost("8", f"Kimi Linear, {config.n_layer} layers", "KDA states + latent cache",
+                  "both", "both", config.cache_bytes_per_token(cache_bytes),
+                  config.state_bytes(state_bytes), whole_flops, whole.total, whole.active),
+    ]
+
+
+def _count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def thesis_markdown(rows: Sequence[LayerCost]) -> str:
+    """The rows as a Markdown table (bytes in binary units, counts in K, M, G, T)."""
+    head = ("| ch. | layer | stores per sequence | updates | reads | bytes per token | fixed "
+            "bytes | FLOPs per token | weights (active) |\n|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        weights = _count(r.weights) + (f" ({_count(r.active)})" if r.active != r.weights else "")
+        lines.append(
+            f"| {r.chapter} | {r.layer} | {r.stores} | {r.updates} | {r.reads} | "
+            f"{format_bytes(r.bytes_per_token) if r.bytes_per_token else '0'} | "
+            f"{format_bytes(r.fixed_bytes) if r.fixed_bytes else '0'} | {_count(r.flops)} | "
+            f"{weights} |"
+        )
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# the trained tiny hybrid whose weights the chapter generates with
+
+
+def save_trained_hybrid(path: str | Path, seed: int = 0) -> list[float]:
+    """Train the 3:1 hybrid of chapter 8's language-model runs (:data:`LM_TRAINING`, ``seed``)
+    as :func:`~gpt2kimi.experiments.hybrid_train.run_lm` does, on one thread, and save its
+    weights (fp32) to ``path``; return its validation losses."""
+    from gpt2kimi.data import lm_batches, load_corpus
+    from gpt2kimi.experiments.hybrid_train import LM_TRAINING, lm_model
+    from gpt2kimi.moe import AuxLossWrapper
+    from gpt2kimi.train import TrainConfig, train
+
+    torch.set_num_threads(1)
+    s = LM_TRAINING
+    torch.manual_seed(seed)
+    model = lm_model("3:1")
+    cfg = TrainConfig(steps=s["steps"], lr=s["lr"], warmup_steps=s["warmup_steps"],
+                      eval_interval=s["eval_interval"], eval_batches=s["eval_batches"], seed=seed)
+    batches = lm_batches(load_corpus(), s["batch_size"], s["block_size"], seed=seed)
+    history = train(AuxLossWrapper(model, bias_gamma=s["bias_gamma"]), batches, cfg)
+    torch.save(model.state_dict(), path)
+    return history.val_loss
