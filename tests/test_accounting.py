@@ -17,7 +17,6 @@ from gpt2kimi.accounting import (
     mla_expanded_bytes_per_token,
     mla_latent_bytes_per_token,
     recurrent_state_bytes,
-    total_cache_bytes,
 )
 from gpt2kimi.attention import GPT2WithCache, SoftmaxAttention
 from gpt2kimi.gpt2 import GPT2Config
@@ -52,11 +51,28 @@ def test_gpt2_parameter_counts_come_from_the_formula():
 def test_kimi_linear_state_is_fixed_and_added_once_per_sequence():
     cfg = MODELS["kimi-linear-48b-a3b"]
     assert (cfg.cached_layers, cfg.n_linear_layers) == (7, 20)
-    state = 20 * 32 * 128 * 128 * 2
+    # per layer and head: the 128 x 128 memory and the last 3 inputs of q, k, v (128 wide each)
+    state = 20 * 32 * (128 * 128 + 3 * 3 * 128) * 4
     assert recurrent_state_bytes(cfg) == state
-    assert recurrent_state_bytes(cfg, batch=3, bytes_per_element=4) == 6 * state
-    assert total_cache_bytes(cfg, 1000) == 1000 * 8_064 + state
-    assert total_cache_bytes(MODELS["llama-3-8b"], 10) == 10 * 131_072
+    assert recurrent_state_bytes(cfg, batch=3, bytes_per_element=2) == 3 * state // 2
+    assert decode_memory_bytes(cfg, 1000) == 1000 * 8_064 + state
+    assert decode_memory_bytes(MODELS["llama-3-8b"], 10) == 10 * 131_072
+
+
+def test_the_state_of_the_table_and_of_the_built_config_are_one_count():
+    """The table's Kimi Linear and its released config.json, built as a HybridConfig, keep the
+    same fixed bytes (memories and convolution tails) and the same cache per token."""
+    for cfg in (RELEASED_CONFIGS["kimi-linear-48b-a3b"], HybridConfig(
+            mixers=("kda", "kda", "kda", "mla"), ffns=("dense",) * 4, vocab_size=256, d_model=64,
+            dense_hidden=128, kda=KDAConfig(n_head=2, head_dim=8, conv_size=3),
+            mla=MLAConfig(d_model=64, n_head=2, kv_lora_rank=8, qk_nope_head_dim=8,
+                          qk_rope_head_dim=4, v_head_dim=8))):
+        table = ModelConfig.from_hybrid("x", cfg)
+        assert recurrent_state_bytes(table) == cfg.state_bytes(4)
+        assert recurrent_state_bytes(table, bytes_per_element=2) == cfg.state_bytes(2)
+        assert kv_cache_bytes_per_token(table) == cfg.cache_bytes_per_token(2)
+    assert recurrent_state_bytes(MODELS["kimi-linear-48b-a3b"]) == RELEASED_CONFIGS[
+        "kimi-linear-48b-a3b"].state_bytes(4)
 
 
 def test_unknown_dimensions_raise_instead_of_guessing():
@@ -170,7 +186,8 @@ def test_kimi_linear_saves_20_of_27_layers_of_cache():
 
 def test_decode_memory_is_cache_plus_fp32_state():
     cfg = MODELS["kimi-linear-48b-a3b"]
-    state = 20 * 32 * 128 * 128 * 4  # 40 MiB of fp32 KDA memory per sequence
+    # 42.8 MiB of fp32 KDA memories and convolution tails per sequence
+    state = 20 * 32 * (128 * 128 + 3 * 3 * 128) * 4
     assert decode_memory_bytes(cfg, 0) == state
     assert decode_memory_bytes(cfg, 1000, batch=2) == 2 * (1000 * 8_064 + state)
     assert decode_memory_bytes(all_attention(cfg), 1000) == 1000 * 27 * 576 * 2

@@ -86,6 +86,9 @@ class ModelConfig:
     linear_heads: int | None = None  # heads of each linear layer
     linear_key_dim: int | None = None  # d_k of each head's state
     linear_value_dim: int | None = None  # d_v of each head's state
+    # kernel of the short convolution on q, k, v before each linear layer: the layer keeps its
+    # last linear_conv_size − 1 inputs of each as part of the fixed state
+    linear_conv_size: int | None = None
     n_experts: int | None = None  # routed experts (MoE), None = dense
     n_active_experts: int | None = None  # routed experts per token
     n_shared_experts: int | None = None
@@ -171,6 +174,7 @@ class ModelConfig:
             linear_heads=kda.n_head if config.n_kda else None,
             linear_key_dim=kda.head_dim if config.n_kda else None,
             linear_value_dim=kda.head_dim if config.n_kda else None,
+            linear_conv_size=kda.conv_size if config.n_kda else None,
             n_experts=moe.n_experts if "moe" in config.ffns else None,
             n_active_experts=moe.top_k if "moe" in config.ffns else None,
             n_shared_experts=moe.n_shared_experts if "moe" in config.ffns else None,
@@ -205,28 +209,20 @@ def kv_cache_bytes(
     return batch * context_len * kv_cache_bytes_per_token(cfg, bytes_per_element)
 
 
-def recurrent_state_bytes(cfg: ModelConfig, batch: int = 1, bytes_per_element: int = 2) -> int:
-    """Bytes of the fixed linear-attention state: ``layers · heads · d_k · d_v`` per sequence.
+def recurrent_state_bytes(cfg: ModelConfig, batch: int = 1, bytes_per_element: int = 4) -> int:
+    """Bytes of the linear layers' fixed state per sequence, whatever the context: per layer
+    and head the memory ``d_k · d_v`` and the short convolution's last ``conv_size − 1``
+    inputs of q, k and v (``2 d_k + d_v`` numbers each), the count
+    :meth:`gpt2kimi.configs.HybridConfig.state_bytes` makes from a built model's config.
 
-    Counts the state matrices only (not the short-convolution buffers). 0 for models without
-    linear layers. Implementations often keep this state in fp32: pass ``bytes_per_element=4``.
+    fp32 by default, as implementations keep this state. 0 for models without linear layers.
     """
     if not cfg.is_hybrid:
         return 0
-    _require(cfg, "linear_heads", "linear_key_dim", "linear_value_dim")
-    per_sequence = (
-        cfg.n_linear_layers * cfg.linear_heads * cfg.linear_key_dim * cfg.linear_value_dim
-    )
-    return batch * per_sequence * bytes_per_element
-
-
-def total_cache_bytes(
-    cfg: ModelConfig, context_len: int, batch: int = 1, bytes_per_element: int = 2
-) -> int:
-    """Everything a model keeps per sequence while decoding: KV cache plus recurrent state."""
-    return kv_cache_bytes(cfg, context_len, batch, bytes_per_element) + recurrent_state_bytes(
-        cfg, batch, bytes_per_element
-    )
+    _require(cfg, "linear_heads", "linear_key_dim", "linear_value_dim", "linear_conv_size")
+    d_k, d_v = cfg.linear_key_dim, cfg.linear_value_dim
+    per_head = d_k * d_v + (cfg.linear_conv_size - 1) * (2 * d_k + d_v)
+    return batch * cfg.n_linear_layers * cfg.linear_heads * per_head * bytes_per_element
 
 
 def attention_param_count(d_model: int, n_head: int, n_kv_heads: int, bias: bool = True) -> int:
@@ -350,6 +346,7 @@ MODELS: dict[str, ModelConfig] = {
         linear_heads=32,
         linear_key_dim=128,
         linear_value_dim=128,
+        linear_conv_size=4,
         n_experts=256,
         n_active_experts=8,
         n_shared_experts=1,
@@ -390,6 +387,7 @@ def all_attention(cfg: ModelConfig) -> ModelConfig:
         linear_heads=None,
         linear_key_dim=None,
         linear_value_dim=None,
+        linear_conv_size=None,
     )
 
 
