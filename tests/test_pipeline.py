@@ -251,6 +251,26 @@ def test_a_file_of_other_code_or_another_sweep_is_refused(tmp_path):
     assert header["code"]["hash"] == task_code_hash(MQAR) and len(records) == 2
 
 
+def test_a_grown_grid_extends_its_file_and_a_shrunk_one_is_refused(tmp_path):
+    out = tmp_path / "runs.jsonl"
+    small, grown = tiny_mqar_grid(1), tiny_mqar_grid()
+    sweep(MQAR, small, [0], out=out)
+    ran = []
+    header, records = sweep(MQAR, grown, [0], out=out, log=ran.append)
+    assert [r["num_pairs"] for r in ran] == [2]  # only the added point runs
+    assert [r["num_pairs"] for r in records] == [1, 2]
+    assert len(header["grid"]) == 2 and missing_runs(out) == []
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines[0]["grid"]) == 1  # the header stays as written; the growth is a line
+    assert [p["num_pairs"] for p in lines[2]["grid_added"]["grid"]] == [2]
+    before = out.read_bytes()
+    with pytest.raises(ResultsFileError, match="grid differs: the file has 1 point"):
+        sweep(MQAR, tiny_mqar_grid(1), [0], out=out)
+    assert out.read_bytes() == before
+    entry = ResultsEntry("runs", "mqar", grown, (0,), "a grown grid", "3", 0.1)
+    assert results.file_status(entry, out) == "current"
+
+
 def test_read_results_reads_todays_json_files():
     header, records = read_results(DATA / "mqar_linear_attention.json")
     assert header["format"] == "legacy"

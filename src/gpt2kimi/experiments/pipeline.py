@@ -12,12 +12,16 @@ results file: one header line, then one line per finished run::
     ...
     {"verified": {"code": {...}, "runs": [...], ...}}          (:func:`verify`: newer code
                                                                 reproduced some runs)
+    {"grid_added": {"grid": [{...}, ...], "at": "...Z"}}       (the grid grew: more points,
+                                                                the same task, seeds and code)
 
 Why lines: a run is on disk the moment it ends, so a killed or crashed sweep loses only the
 runs in flight, and a re-run skips every run already in the file (same settings and seed). A
 line cut short by a kill is ignored and its run redone. The header names the code that ran
 (:func:`task_code_hash`); a file is only ever extended by that same code: :func:`sweep` refuses to
-append records of changed code, so one file never mixes two versions of the library.
+append records of changed code, so one file never mixes two versions of the library. A grid may
+grow (a learning rate added where the best one sat at an end): the new points are appended as a
+``grid_added`` line and run; the header's grid plus those lines is the file's grid.
 
 :func:`read_results` reads these files and the older single-JSON files
 (``{"settings": ..., "results": [...]}``) alike, as ``(header, records)``.
@@ -258,7 +262,7 @@ def read_results(path: str | Path) -> tuple[dict, list[dict]]:
         header = {"format": "legacy", **{k: v for k, v in data.items() if k != "results"}}
         return header, list(data.get("results", []))
     lines, _ = _read_lines(path)
-    header = dict(lines[0])
+    header = _file_header(lines)
     header["sessions"] = [{"started": header["started"], "machine": header["machine"]}]
     header["sessions"] += [line["session"] for line in lines[1:] if "session" in line]
     runs = [line for line in lines[1:] if "record" in line]
@@ -278,11 +282,29 @@ def _runs_of(header: dict) -> list[tuple[dict, int]]:
     return [(s, seed) for s in header["grid"] for seed in header["seeds"]]
 
 
+def _file_header(lines: list[dict]) -> dict:
+    """A JSON-lines file's header with its grid grown by every ``grid_added`` line."""
+    header = dict(lines[0])
+    added = [p for line in lines[1:] if "grid_added" in line for p in line["grid_added"]["grid"]]
+    if added:
+        header["grid"] = [*header["grid"], *added]
+    return header
+
+
+def _point_key(settings: dict) -> str:
+    return json.dumps(settings, sort_keys=True)
+
+
+def same_grid(a: Sequence[dict], b: Sequence[dict]) -> bool:
+    """Whether two grids hold the same settings, in whatever order."""
+    return sorted(map(_point_key, a)) == sorted(map(_point_key, b))
+
+
 def missing_runs(path: str | Path) -> list[tuple[dict, int]]:
     """The (settings, seed) runs of a JSON-lines file's grid that it does not hold yet."""
     lines, _ = _read_lines(Path(path))
     done = {run_key(line["settings"], line["seed"]) for line in lines[1:] if "record" in line}
-    return [(s, seed) for s, seed in _runs_of(lines[0]) if run_key(s, seed) not in done]
+    return [(s, seed) for s, seed in _runs_of(_file_header(lines)) if run_key(s, seed) not in done]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -437,8 +459,11 @@ class _OpenSweep:
         _lock(self.f)
         lines, good_end = _read_lines(path)
         if lines and not restart:  # a resume (a header cut short: start afresh)
-            _check_same_sweep(path, lines[0], header)
+            old = _file_header(lines)
+            added = _check_same_sweep(path, old, header)
             self.f.truncate(good_end)  # drop a line cut short by a kill
+            if added:  # the grid grew: its new points join the file's grid
+                _append(self.f, {"grid_added": {"grid": added, "at": header["started"]}})
             done = {run_key(ln["settings"], ln["seed"]) for ln in lines[1:] if "record" in ln}
             self.code = lines[0]["code"]["hash"]
             self.session = {"started": header["started"], "machine": header["machine"]}
@@ -466,22 +491,32 @@ class _OpenSweep:
         self.f.close()
 
 
-def _check_same_sweep(path: Path, old: dict, new: dict) -> None:
-    """Refuse to extend ``path`` with another task, grid, seeds or code than its header's."""
+def _check_same_sweep(path: Path, old: dict, new: dict) -> list[dict]:
+    """Refuse to extend ``path`` with another task, seeds or code than its header's, or with a
+    grid that drops any of its points. Returns the grid points ``new`` adds (a grown grid)."""
     if old.get("format") != FORMAT:
         raise ResultsFileError(f"{path}: not a {FORMAT} file; pass restart=True to replace it")
-    for key in ("task", "grid", "seeds"):
+    for key in ("task", "seeds"):
         if old[key] != new[key]:
             raise ResultsFileError(
                 f"{path} holds another sweep ({key} differs: file {old[key]!r}, asked "
                 f"{new[key]!r}); write a new file or pass restart=True"
             )
+    asked = {_point_key(p) for p in new["grid"]}
+    dropped = [p for p in old["grid"] if _point_key(p) not in asked]
+    if dropped:
+        raise ResultsFileError(
+            f"{path} holds another sweep (grid differs: the file has {len(dropped)} point(s) "
+            f"the asked grid lacks, e.g. {dropped[0]!r}); write a new file or pass restart=True"
+        )
     if old["code"]["hash"] != new["code"]["hash"]:
         raise ResultsFileError(
             f"{path} was started by other code: code hash {old['code']['hash']} in the file, "
             f"{new['code']['hash']} now. Its records cannot be extended by this code: start a "
             "new file or pass restart=True."
         )
+    have = {_point_key(p) for p in old["grid"]}
+    return [p for p in new["grid"] if _point_key(p) not in have]
 
 
 # ----------------------------------------------------------------------------------------------
