@@ -271,6 +271,22 @@ def test_a_grown_grid_extends_its_file_and_a_shrunk_one_is_refused(tmp_path):
     assert results.file_status(entry, out) == "current"
 
 
+def test_a_file_verified_by_todays_code_can_grow(tmp_path):
+    out = tmp_path / "runs.jsonl"
+    sweep(MQAR, tiny_mqar_grid(1), [0], out=out)
+    lines = out.read_text().splitlines()
+    header = json.loads(lines[0])
+    header["code"]["hash"] = "0" * 64  # recorded by older code ...
+    out.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    with pytest.raises(ResultsFileError, match="which has not reproduced it"):
+        sweep(MQAR, tiny_mqar_grid(), [0], out=out)
+    verify(MQAR, out, runs=1)  # ... that today's code reproduces
+    header, records = sweep(MQAR, tiny_mqar_grid(), [0], out=out)
+    assert [r["num_pairs"] for r in records] == [1, 2]
+    session = [json.loads(line) for line in out.read_text().splitlines() if "session" in line]
+    assert session[-1]["session"]["code"]["hash"] == task_code_hash(MQAR)
+
+
 def test_read_results_reads_todays_json_files():
     header, records = read_results(DATA / "mqar_linear_attention.json")
     assert header["format"] == "legacy"

@@ -19,7 +19,8 @@ Why lines: a run is on disk the moment it ends, so a killed or crashed sweep los
 runs in flight, and a re-run skips every run already in the file (same settings and seed). A
 line cut short by a kill is ignored and its run redone. The header names the code that ran
 (:func:`task_code_hash`); a file is only ever extended by that same code: :func:`sweep` refuses to
-append records of changed code, so one file never mixes two versions of the library. A grid may
+append records of changed code, unless that code reproduced the file (:func:`verify`), so one
+file never mixes two versions of the library that disagree. A grid may
 grow (a learning rate added where the best one sat at an end): the new points are appended as a
 ``grid_added`` line and run; the header's grid plus those lines is the file's grid.
 
@@ -460,13 +461,16 @@ class _OpenSweep:
         lines, good_end = _read_lines(path)
         if lines and not restart:  # a resume (a header cut short: start afresh)
             old = _file_header(lines)
-            added = _check_same_sweep(path, old, header)
+            vouched = {v["verified"]["code"]["hash"] for v in lines[1:] if "verified" in v}
+            added = _check_same_sweep(path, old, header, vouched)
             self.f.truncate(good_end)  # drop a line cut short by a kill
             if added:  # the grid grew: its new points join the file's grid
                 _append(self.f, {"grid_added": {"grid": added, "at": header["started"]}})
             done = {run_key(ln["settings"], ln["seed"]) for ln in lines[1:] if "record" in ln}
-            self.code = lines[0]["code"]["hash"]
+            self.code = header["code"]["hash"]
             self.session = {"started": header["started"], "machine": header["machine"]}
+            if self.code != lines[0]["code"]["hash"]:  # newer code that verified the file
+                self.session["code"] = header["code"]
         else:
             self.f.truncate(0)
             done, self.code, self.session = set(), header["code"]["hash"], None
@@ -491,9 +495,12 @@ class _OpenSweep:
         self.f.close()
 
 
-def _check_same_sweep(path: Path, old: dict, new: dict) -> list[dict]:
-    """Refuse to extend ``path`` with another task, seeds or code than its header's, or with a
-    grid that drops any of its points. Returns the grid points ``new`` adds (a grown grid)."""
+def _check_same_sweep(
+    path: Path, old: dict, new: dict, vouched: Iterable[str] = ()
+) -> list[dict]:
+    """Refuse to extend ``path`` with another task or seeds than its header's, with a grid that
+    drops any of its points, or with code that neither recorded it nor reproduced it (a
+    :func:`verify` of ``vouched`` code). Returns the grid points ``new`` adds (a grown grid)."""
     if old.get("format") != FORMAT:
         raise ResultsFileError(f"{path}: not a {FORMAT} file; pass restart=True to replace it")
     for key in ("task", "seeds"):
@@ -509,11 +516,11 @@ def _check_same_sweep(path: Path, old: dict, new: dict) -> list[dict]:
             f"{path} holds another sweep (grid differs: the file has {len(dropped)} point(s) "
             f"the asked grid lacks, e.g. {dropped[0]!r}); write a new file or pass restart=True"
         )
-    if old["code"]["hash"] != new["code"]["hash"]:
+    if new["code"]["hash"] not in {old["code"]["hash"], *vouched}:
         raise ResultsFileError(
             f"{path} was started by other code: code hash {old['code']['hash']} in the file, "
-            f"{new['code']['hash']} now. Its records cannot be extended by this code: start a "
-            "new file or pass restart=True."
+            f"{new['code']['hash']} now, which has not reproduced it. Its records cannot be "
+            "extended by this code: verify it, start a new file or pass restart=True."
         )
     have = {_point_key(p) for p in old["grid"]}
     return [p for p in new["grid"] if _point_key(p) not in have]

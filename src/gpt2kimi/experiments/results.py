@@ -194,6 +194,8 @@ LRS = [1e-3, 2e-3, 5e-3, 1e-2]
 # at 4 x 4 per head the delta rules' best rate sat at 1e-3, the grid's lowest: two lower
 # rates bracket it (added to those files' grids; their earlier runs stand)
 LOW_LRS = [2e-4, 5e-4]
+# and where it sat at 1e-2, the highest (chapter 5's stale bindings)
+HIGH_LRS = [2e-2, 5e-2]
 HEAD_DIMS = [4, 32]  # a fixed memory of head_dim × head_dim per head; 32 = d_model / n_head
 DELTA_RULES = ["deltanet", "gated_deltanet", "kda"]
 # stale bindings: 4 keys (as many as a shrunk memory has directions) rewritten about 25 times
@@ -270,9 +272,15 @@ ENTRIES += [
         _points(mixer="softmax", **STALE, train_lr=LRS)
         + [{**m, **p} for m in _options(
             ["linear", "gated_linear", "deltanet", "gated_deltanet", "kda", "kda_no_forget"], 4)
-           for p in _points(**STALE, train_lr=LRS)],
+           for p in _points(**STALE, train_lr=LRS)]
+        # where the best rate sat at an end of LRS: two more rates beyond that end
+        + [{**m, **p} for m in _options(["linear", "gated_linear"], 4)
+           for p in _points(**STALE, train_lr=LOW_LRS)]
+        + [{**m, **p} for m in _options(["deltanet", "kda", "kda_no_forget"], 4)
+           for p in _points(**STALE, train_lr=HIGH_LRS)],
         SEEDS, "stale bindings: 4 keys rewritten again and again in 64 tokens (about 25 "
-        "writes, 6x a 4-wide memory), with and without forget gates", "5", 75),
+        "writes, 6x a 4-wide memory), with and without forget gates, each at 4 to 6 learning "
+        "rates", "5", 105),
 ]
 # byte-level language models (chapters 7 and 8): 1,500 steps, three seeds, the whole validation
 # split in fixed windows, four rates over a 10x range (evenly spaced in log; a 300-step pilot
