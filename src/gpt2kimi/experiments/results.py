@@ -256,10 +256,14 @@ ENTRIES += [
         "capacity_hybrid", "mqar",
         [{"mixer": mix, "mixer_options": {"kda": {"head_dim": 4}}, **p}
          for mix in ["kda,kda,kda,kda", "kda,kda,kda,mla"]
-         for p in _points(num_pairs=8, n_layer=4, train_lr=LRS)],
+         for p in _points(num_pairs=8, n_layer=4, train_lr=LRS)]
+        # the hybrid's best rate sat at 1e-3, the lowest: two lower rates for both models
+        + [{"mixer": mix, "mixer_options": {"kda": {"head_dim": 4}}, **p}
+           for mix in ["kda,kda,kda,kda", "kda,kda,kda,mla"]
+           for p in _points(num_pairs=8, n_layer=4, train_lr=LOW_LRS)],
         SEEDS, "MQAR recall of 4 layers at 8 pairs: KDA with an overflowing memory (head_dim 4) "
-        "throughout, and the 3:1 hybrid of it with one MLA layer, each at 4 learning rates", "8",
-        60),
+        "throughout, and the 3:1 hybrid of it with one MLA layer, each at 6 learning rates", "8",
+        75),
     ResultsEntry(
         "capacity_hybrid_bounds", "mqar",
         [{"mixer": mix, "mixer_options": {}, **p}
