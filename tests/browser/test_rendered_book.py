@@ -50,7 +50,8 @@ def missing(reason: str) -> None:
     pytest.skip(reason)
 
 
-@pytest.fixture(scope="module")
+# A fresh browser for every test: one page that hangs (a script timeout) cannot fail the next.
+@pytest.fixture
 def browser():
     if not (HTML / "book" / "intro.html").is_file():
         missing(f"the book is not built at {HTML}")
@@ -72,7 +73,8 @@ def browser():
     ]:
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
-    driver.set_script_timeout(30)
+    driver.set_script_timeout(120)
+    driver.set_page_load_timeout(120)
     yield driver
     driver.quit()
 
@@ -83,22 +85,30 @@ def open_page(driver, page: str) -> None:
     driver.get(path.as_uri())
 
 
+# MathJax may still be starting when the page's load event fires: wait up to 60 s for it
 TYPESET = """
 const done = arguments[arguments.length - 1];
-if (!window.MathJax || !MathJax.startup) { done({error: "MathJax did not load"}); return; }
-MathJax.startup.promise.then(() => {
+const started = Date.now();
+(function ready() {
+  if (window.MathJax && MathJax.startup && MathJax.startup.promise) { typeset(); return; }
+  if (Date.now() - started > 60000) { done({error: "MathJax did not load"}); return; }
+  setTimeout(ready, 100);
+})();
+function typeset() { MathJax.startup.promise.then(() => {
   const math = [...document.querySelectorAll(".math")];
   done({
     math: math.length,
     typeset: math.filter(el => el.querySelector("mjx-container")).length,
     errors: document.querySelectorAll("mjx-merror").length,
   });
-}).catch(e => done({error: String(e)}));
+}).catch(e => done({error: String(e)})); }
 """
 
+# images below the fold may be lazy: made eager, every one loads (or fails) in a headless window
 IMAGES = """
 const done = arguments[arguments.length - 1];
 const imgs = [...document.images];
+imgs.forEach(i => { i.loading = "eager"; });
 Promise.all(imgs.map(i => i.complete ? null : new Promise(r => { i.onload = i.onerror = r; })))
   .then(() => done(imgs.map(i => ({src: i.src, width: i.naturalWidth}))));
 """
