@@ -153,7 +153,17 @@ def test_every_resource_is_local(browser):
 PROSE = """
 const done = arguments[arguments.length - 1];
 document.querySelectorAll("details").forEach(d => { d.open = true; });
-const typeset = window.MathJax && MathJax.startup ? MathJax.startup.promise : Promise.resolve();
+const typeset = new Promise(resolve => {  // MathJax may start after the load event
+  const hasMath = [...document.scripts].some(s => /mathjax|tex-/i.test(s.src));
+  const started = Date.now();
+  (function ready() {
+    if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
+      resolve(MathJax.startup.promise); return;
+    }
+    if (!hasMath || Date.now() - started > 60000) { resolve(); return; }
+    setTimeout(ready, 100);
+  })();
+});
 typeset.then(() => {
   const article = document.querySelector("article.bd-article");
   const prose = article.cloneNode(true);
@@ -271,7 +281,17 @@ def test_figures_are_shown_at_a_legible_scale(browser, page):
 OVERFLOW = """
 const done = arguments[arguments.length - 1];
 document.querySelectorAll("details").forEach(d => { d.open = true; });
-const typeset = window.MathJax && MathJax.startup ? MathJax.startup.promise : Promise.resolve();
+const typeset = new Promise(resolve => {  // MathJax may start after the load event
+  const hasMath = [...document.scripts].some(s => /mathjax|tex-/i.test(s.src));
+  const started = Date.now();
+  (function ready() {
+    if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
+      resolve(MathJax.startup.promise); return;
+    }
+    if (!hasMath || Date.now() - started > 60000) { resolve(); return; }
+    setTimeout(ready, 100);
+  })();
+});
 typeset.then(() => {
   const article = document.querySelector("article.bd-article");
   const style = getComputedStyle(article);
