@@ -157,8 +157,9 @@ const typeset = new Promise(resolve => {  // MathJax may start after the load ev
   const hasMath = [...document.scripts].some(s => /mathjax|tex-/i.test(s.src));
   const started = Date.now();
   (function ready() {
-    if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
-      resolve(MathJax.startup.promise); return;
+    if (window.MathJax && MathJax.startup && MathJax.startup.promise) {  // at most 30 s more
+      resolve(Promise.race([MathJax.startup.promise, new Promise(r => setTimeout(r, 30000))]));
+      return;
     }
     if (!hasMath || Date.now() - started > 60000) { resolve(); return; }
     setTimeout(ready, 100);
@@ -285,8 +286,9 @@ const typeset = new Promise(resolve => {  // MathJax may start after the load ev
   const hasMath = [...document.scripts].some(s => /mathjax|tex-/i.test(s.src));
   const started = Date.now();
   (function ready() {
-    if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
-      resolve(MathJax.startup.promise); return;
+    if (window.MathJax && MathJax.startup && MathJax.startup.promise) {  // at most 30 s more
+      resolve(Promise.race([MathJax.startup.promise, new Promise(r => setTimeout(r, 30000))]));
+      return;
     }
     if (!hasMath || Date.now() - started > 60000) { resolve(); return; }
     setTimeout(ready, 100);
