@@ -148,11 +148,9 @@ def test_every_resource_is_local(browser):
 # ---------------------------------------------------------------------------------------------
 # What a reader sees at 1280 px.
 
-# The article's text with code, printed output and typeset math left out: what is left should be
-# prose, so TeX or Markdown syntax found in it was not rendered. Collapsed boxes are opened first.
-PROSE = """
-const done = arguments[arguments.length - 1];
-document.querySelectorAll("details").forEach(d => { d.open = true; });
+# ``typeset``: a promise that MathJax has typeset the page (MathJax may start after the load
+# event; once started, it is given at most 30 s more), or at once on a page without math.
+MATHJAX_READY = """
 const typeset = new Promise(resolve => {  // MathJax may start after the load event
   const hasMath = [...document.scripts].some(s => /mathjax|tex-/i.test(s.src));
   const started = Date.now();
@@ -165,6 +163,14 @@ const typeset = new Promise(resolve => {  // MathJax may start after the load ev
     setTimeout(ready, 100);
   })();
 });
+"""
+
+# The article's text with code, printed output and typeset math left out: what is left should be
+# prose, so TeX or Markdown syntax found in it was not rendered. Collapsed boxes are opened first.
+PROSE = """
+const done = arguments[arguments.length - 1];
+document.querySelectorAll("details").forEach(d => { d.open = true; });
+""" + MATHJAX_READY + """
 typeset.then(() => {
   const article = document.querySelector("article.bd-article");
   const prose = article.cloneNode(true);
@@ -282,18 +288,7 @@ def test_figures_are_shown_at_a_legible_scale(browser, page):
 OVERFLOW = """
 const done = arguments[arguments.length - 1];
 document.querySelectorAll("details").forEach(d => { d.open = true; });
-const typeset = new Promise(resolve => {  // MathJax may start after the load event
-  const hasMath = [...document.scripts].some(s => /mathjax|tex-/i.test(s.src));
-  const started = Date.now();
-  (function ready() {
-    if (window.MathJax && MathJax.startup && MathJax.startup.promise) {  // at most 30 s more
-      resolve(Promise.race([MathJax.startup.promise, new Promise(r => setTimeout(r, 30000))]));
-      return;
-    }
-    if (!hasMath || Date.now() - started > 60000) { resolve(); return; }
-    setTimeout(ready, 100);
-  })();
-});
+""" + MATHJAX_READY + """
 typeset.then(() => {
   const article = document.querySelector("article.bd-article");
   const style = getComputedStyle(article);
