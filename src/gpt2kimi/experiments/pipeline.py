@@ -301,6 +301,12 @@ def same_grid(a: Sequence[dict], b: Sequence[dict]) -> bool:
     return sorted(map(_point_key, a)) == sorted(map(_point_key, b))
 
 
+def added_points(grid: Sequence[dict], grown: Sequence[dict]) -> list[dict]:
+    """The points of ``grown`` that ``grid`` lacks, in ``grown``'s order."""
+    have = {_point_key(p) for p in grid}
+    return [p for p in grown if _point_key(p) not in have]
+
+
 def missing_runs(path: str | Path) -> list[tuple[dict, int]]:
     """The (settings, seed) runs of a JSON-lines file's grid that it does not hold yet."""
     lines, _ = _read_lines(Path(path))
@@ -522,8 +528,7 @@ def _check_same_sweep(
             f"{new['code']['hash']} now, which has not reproduced it. Its records cannot be "
             "extended by this code: verify it, start a new file or pass restart=True."
         )
-    have = {_point_key(p) for p in old["grid"]}
-    return [p for p in new["grid"] if _point_key(p) not in have]
+    return added_points(old["grid"], new["grid"])
 
 
 # ----------------------------------------------------------------------------------------------

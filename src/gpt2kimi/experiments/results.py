@@ -18,7 +18,6 @@ as today, every run present); :func:`check_files` does it for every file of a da
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from gpt2kimi.experiments.hybrid_train import MQAR_MIXES
 from gpt2kimi.experiments.pipeline import (
     FORMAT,
     PACKAGE_DIR,
+    added_points,
     code_hashes,
     expand_grid,
     missing_runs,
@@ -352,7 +352,7 @@ def file_status(entry: ResultsEntry, path: Path, today: str | None = None) -> st
     registered = entry.settings_grid()
     grown = len(registered) - len(header["grid"])
     if not same_grid(header["grid"], registered):
-        if grown <= 0 or not same_grid(header["grid"] + _added(header["grid"], registered),
+        if grown <= 0 or not same_grid(header["grid"] + added_points(header["grid"], registered),
                                        registered):
             return "stale: its settings differ from the registry's"
     if header["seeds"] != list(entry.seeds):
@@ -369,12 +369,6 @@ def file_status(entry: ResultsEntry, path: Path, today: str | None = None) -> st
     if missing:
         return f"incomplete: {missing} of {len(entry.runs())} runs missing (run resumes it)"
     return "current"
-
-
-def _added(grid: list[dict], grown: list[dict]) -> list[dict]:
-    """The points of ``grown`` that ``grid`` lacks."""
-    have = [json.dumps(p, sort_keys=True) for p in grid]
-    return [p for p in grown if json.dumps(p, sort_keys=True) not in have]
 
 
 def entry_status(entry: ResultsEntry, data_dir: Path, today: str | None = None) -> str:
