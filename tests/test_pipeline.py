@@ -305,8 +305,8 @@ def test_every_file_of_the_book_is_registered_faithfully():
     for entry in REGISTRY.values():
         if entry.legacy_path:
             assert legacy_differences(entry, DATA) == [], entry.name
-    wrong = replace(REGISTRY["mqar_lr_1e-3"], legacy_path="mqar_lr_1e-2.json")
-    assert legacy_differences(wrong, DATA) == ["train_lr: file 0.01, registry [0.001]"]
+    wrong = replace(REGISTRY["forget_gdn_sigmoid"], legacy_path="forget_lr_1e-2.json")
+    assert legacy_differences(wrong, DATA)[0] == "train_lr: file 0.01, registry [0.003]"
     wrong = replace(REGISTRY["mqar_gating"], seeds=(0, 1))
     assert legacy_differences(wrong, DATA)[0].startswith("runs (mixer, num_pairs, seed)")
 
