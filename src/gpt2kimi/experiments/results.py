@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpt2kimi.experiments import forget, moe_train, rewrite
+from gpt2kimi.experiments import moe_train
 from gpt2kimi.experiments.hybrid_train import MQAR_MIXES
 from gpt2kimi.experiments.pipeline import (
     FORMAT,
@@ -100,19 +100,6 @@ def _mqar(name, mixers, description, chapters, minutes, pairs=PAIRS, seeds=SEEDS
                         command, f"{name}.json")
 
 
-def _window(name, mixers, description, minutes, seeds=SEEDS, legacy_command=None,
-            legacy_part=None, **fixed):
-    """A sliding-window recall entry (chapter 5's forgetting task)."""
-    grid = {"mixer": list(mixers), **{k: [v] for k, v in fixed.items()}}
-    if legacy_command is None:
-        lr = f" --lr {fixed['train_lr']:g}" if "train_lr" in fixed else ""
-        legacy_command = (f"python -m gpt2kimi.experiments forget --mixers {' '.join(mixers)}"
-                          f"{lr} --live-mixers --out book/data/{name}.json")
-    legacy_path = "forget_window.json" if legacy_part else f"{name}.json"
-    return ResultsEntry(name, "window", grid, tuple(seeds), description, "5", minutes,
-                        legacy_command, legacy_path, legacy_part)
-
-
 ENTRIES: list[ResultsEntry] = [
     _mqar("mqar_linear_attention", ["softmax", "linear", "linear_elu"],
           "MQAR recall of softmax and linear attention (identity and elu+1) against pairs, one "
@@ -121,28 +108,6 @@ ENTRIES: list[ResultsEntry] = [
     _mqar("mqar_deltanet", ["deltanet"], "MQAR recall of DeltaNet against pairs", "4", 13),
     _mqar("mqar_gating", ["gated_deltanet", "kda"],
           "MQAR recall of Gated DeltaNet and KDA against pairs", "5", 24),
-    _mqar("mqar_gdn_sigmoid", ["gated_deltanet_sigmoid"],
-          "MQAR recall of Gated DeltaNet with a sigmoid output gate", "5", 9),
-    ResultsEntry(
-        "rewrite_gating", "rewrite", {"mixer": rewrite.COMPARED, "num_keys": [2, 4, 8]}, SEEDS,
-        "rewritten facts: accuracy and stale answers of six mixers at 2-8 keys", "5", 27,
-        "python -m gpt2kimi.experiments rewrite", "rewrite_gating.json"),
-    ResultsEntry(
-        "rewrite_gating_live", "rewrite",
-        {"mixer": rewrite.LIVE, "num_keys": [2], "train_steps": [100]}, (0,),
-        "the live subset chapter 5 re-runs: 2 keys, seed 0, 100 steps", "5", 0.5,
-        "python -m gpt2kimi.experiments rewrite", "rewrite_gating.json", "live"),
-    _window("forget_window", forget.COMPARED,
-            "sliding-window recall, 24 facts into 8x8 memories: six mixers", 56,
-            legacy_command="python -m gpt2kimi.experiments forget"),
-    _window("forget_window_live", forget.LIVE,
-            "the live subset chapter 5 re-runs: seed 0, 150 steps", 1.5, seeds=(0,),
-            legacy_command="python -m gpt2kimi.experiments forget", legacy_part="live",
-            train_steps=150),
-    _window("forget_gdn_sigmoid", ["gated_deltanet_sigmoid"],
-            "sliding-window recall of Gated DeltaNet with a sigmoid output gate", 3),
-    _window("forget_lr_1e-2", ["deltanet", "kda", "kda_no_forget", "gated_deltanet_sigmoid"],
-            "sliding-window recall at the higher learning rate 1e-2", 12, train_lr=1e-2),
     _mqar("mqar_mla", ["mla"], "MQAR recall of MLA against pairs", "6", 24),
     ResultsEntry(
         "hybrid_lm", "lm_hybrid", {"model": ["gpt2", "3:1", "0:1", "1:1", "all-KDA"]}, SEEDS,
@@ -396,7 +361,7 @@ def legacy_differences(entry: ResultsEntry, data_dir: Path) -> list[str]:
     header, records = read_results(data_dir / str(entry.legacy_path))
     if entry.legacy_part:
         header, records = header[entry.legacy_part], header[entry.legacy_part]["results"]
-    # the file's settings, with those of its model (forget_window.json) beside them
+    # the file's settings, with those of its model (if it records one) beside them
     settings = {**header.get("settings", {}).get("model", {}), **header["settings"]}
     task, runs = get_task(entry.task), entry.runs()
     differences = []
