@@ -202,6 +202,12 @@ ENTRIES += [
         "throughout, and the 3:1 hybrid of it with one MLA layer, each at 6 learning rates", "8",
         75),
     ResultsEntry(
+        "capacity_hybrid_full", "mqar",
+        _points(mixer="hybrid", num_pairs=[2, 4, 8], train_lr=LRS),
+        SEEDS, "MQAR recall against pairs of chapter 3's two layers as a hybrid: KDA (full "
+        "32-wide memory), then MLA, at 4 learning rates (the two pure forms are in "
+        "capacity_delta and capacity_mla)", "8", 25),
+    ResultsEntry(
         "capacity_hybrid_bounds", "mqar",
         [{"mixer": mix, "mixer_options": {}, **p}
          for mix in ["kda,kda,kda,kda", "mla,mla,mla,mla"]
