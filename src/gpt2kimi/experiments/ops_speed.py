@@ -3,7 +3,7 @@ operators (:mod:`gpt2kimi.ops`), timed side by side.
 
 For each operator (``linear_attention``, ``delta_rule``, ``gated_delta_rule``, ``kda``) and each
 sequence length T, the recurrent form (a Python loop over T tokens) and the chunk form (a loop
-over T / C chunks, matrix products inside) run on the same random inputs one after the other, in
+over T / C chunks, matrix products inside) run on the same random inputs in turns, in
 inference mode (:func:`chunk_vs_recurrent`); :func:`time_vs_length` does so for several T and
 fits the log-log slope of time against T (both forms are linear in T;
 :func:`gpt2kimi.timing.loglog_slope`). Chapters 3-5 call them; ``python -m gpt2kimi.bench ops``
@@ -38,7 +38,7 @@ from gpt2kimi.ops import (
     recurrent_kda,
     recurrent_linear_attn,
 )
-from gpt2kimi.timing import fastest_interleaved, loglog_slope, time_fn, timed
+from gpt2kimi.timing import fastest_interleaved, loglog_slope, timed
 
 # name -> (recurrent form, chunk form)
 OPERATORS: dict[str, tuple[Callable, Callable]] = {
@@ -80,18 +80,23 @@ def chunk_vs_recurrent(
     repeats: int = 3,
     warmup: int = 1,
 ) -> dict:
-    """Median seconds of the recurrent and the chunk form of ``op`` on the same inputs.
+    """Seconds of the recurrent and the chunk form of ``op`` on the same inputs: the fastest of
+    ``repeats`` interleaved rounds (:func:`~gpt2kimi.timing.fastest_interleaved`: the two forms
+    take turns, so a slow moment of the machine slows both), after ``warmup`` untimed rounds.
 
     Returns ``{"op", "B", "T", "H", "D", "chunk_size", "recurrent_s", "chunk_s", "speedup"}``
     with ``speedup = recurrent_s / chunk_s``.
     """
     inputs = make_inputs(op, B, T, H, D, seed)  # raises for an unknown op
     recurrent, chunk = OPERATORS[op]
+    runs = {"recurrent": timed(lambda: recurrent(*inputs)),
+            "chunk": timed(lambda: chunk(*inputs, chunk_size=chunk_size))}
     with torch.inference_mode():
-        recurrent_s = time_fn(lambda: recurrent(*inputs), repeats=repeats, warmup=warmup)
-        chunk_s = time_fn(
-            lambda: chunk(*inputs, chunk_size=chunk_size), repeats=repeats, warmup=warmup
-        )
+        for _ in range(warmup - 1):  # fastest_interleaved runs one warm-up round itself
+            for run in runs.values():
+                run()
+        best = fastest_interleaved(runs, repeats)
+    recurrent_s, chunk_s = best["recurrent"], best["chunk"]
     return dict(
         op=op,
         B=B,
