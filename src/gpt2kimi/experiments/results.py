@@ -254,6 +254,10 @@ ENTRIES += [
         SEEDS, "byte LM, 1,500 steps: the hybrid's other KDA:MLA ratios (1:1 and KDA in every "
         "layer), each at 4 learning rates", "8", 60),
     ResultsEntry(
+        "lm_hybrid_live", "lm_hybrid_ablation",
+        {"model": ["gpt2"], "lr": [LM_LRS[0]], "steps": [150], "eval_interval": [150]},
+        (0,), "the live subset chapter 8 re-runs: GPT-2, 150 steps, seed 0", "8", 0.5),
+    ResultsEntry(
         "lm_moe", "lm_moe_fixed",
         {"lr": LM_LRS, "variant": list(moe_train.VARIANTS)},
         SEEDS, "byte LM, 1,500 steps: a dense feed-forward against MoE of equal active "
