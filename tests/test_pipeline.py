@@ -285,16 +285,25 @@ def test_a_file_verified_by_todays_code_can_grow(tmp_path):
     assert session[-1]["session"]["code"]["hash"] == task_code_hash(MQAR)
 
 
-def test_read_results_reads_todays_json_files():
-    header, records = read_results(DATA / "mqar_linear_attention.json")
-    assert header["format"] == "legacy"
-    assert header["settings"]["mixers"] == ["softmax", "linear", "linear_elu"]
-    assert len(records) == 36 and set(records[0]) >= {"mixer", "num_pairs", "seed", "accuracy"}
-    header, records = read_results(DATA / "hybrid_lm.json")
-    assert len(records) == 15 and header["settings"]["models"][0] == "gpt2"
+def legacy_file(tmp_path: Path, lr: float = 3e-3) -> ResultsEntry:
+    """An older single-JSON results file in ``tmp_path`` (two MQAR runs) and its entry."""
+    results = [{"mixer": "linear", "num_pairs": 2, "seed": s, "accuracy": 0.5} for s in (0, 1)]
+    settings = {"mixers": ["linear"], "pairs": [2], "seeds": [0, 1], "train_lr": lr}
+    (tmp_path / "old.json").write_text(json.dumps({"settings": settings, "results": results,
+                                                   "live": {"settings": {}, "results": []}}))
+    return ResultsEntry("old", "mqar", {"mixer": ["linear"], "num_pairs": [2]}, (0, 1),
+                        "an older file", "3", 1, "python -m gpt2kimi.experiments mqar",
+                        "old.json")
 
 
-def test_every_file_of_the_book_is_registered_faithfully():
+def test_read_results_reads_the_older_single_json_files(tmp_path):
+    legacy_file(tmp_path)
+    header, records = read_results(tmp_path / "old.json")
+    assert header["format"] == "legacy" and header["settings"]["mixers"] == ["linear"]
+    assert "live" in header and [r["seed"] for r in records] == [0, 1]
+
+
+def test_every_file_of_the_book_is_registered_faithfully(tmp_path):
     rows = check_files(DATA)
     new = {entry.path for entry in REGISTRY.values() if entry.legacy_path is None}
     assert {name for name, _ in rows} - new == {p.name for p in DATA.glob("*.json*")} - new
@@ -303,11 +312,13 @@ def test_every_file_of_the_book_is_registered_faithfully():
     for entry in REGISTRY.values():
         if entry.legacy_path:
             assert legacy_differences(entry, DATA) == [], entry.name
-    wrong = replace(REGISTRY["mqar_deltanet"], legacy_path="mqar_mla.json")
-    runs = legacy_differences(wrong, DATA)[0]
-    assert runs.startswith("runs (mixer, num_pairs, seed): file [(\"'mla'\"")
-    wrong = replace(REGISTRY["mqar_gating"], seeds=(0, 1))
-    assert legacy_differences(wrong, DATA)[0].startswith("runs (mixer, num_pairs, seed)")
+    # an older file is compared with its entry: settings and runs
+    entry = legacy_file(tmp_path)
+    assert legacy_differences(entry, tmp_path) == []
+    runs = legacy_differences(replace(entry, seeds=(0,)), tmp_path)
+    assert runs[0].startswith("runs (mixer, num_pairs, seed): file")
+    legacy_file(tmp_path, lr=1e-2)
+    assert legacy_differences(entry, tmp_path)[0].startswith("train_lr: file 0.01, registry")
 
 
 def test_several_files_share_one_pool_their_runs_interleaved_and_each_resumes(tmp_path):

@@ -7,10 +7,12 @@ from gpt2kimi.accounting import RELEASED_CONFIGS, param_count
 from gpt2kimi.configs import HybridConfig, KDAConfig, MLAConfig, MoEConfig
 from gpt2kimi.experiments.synthesis import (
     BOOK_MIXERS,
+    SHRUNK_MIXERS,
     all_mla,
     cache_profile,
     experts_touched,
     mha_bytes_per_token,
+    recall,
     released_step_bytes,
     sequence_bytes,
     step_bytes,
@@ -73,7 +75,14 @@ def test_thesis_rows():
     assert rows["MHA"].bytes_per_token == 2 * 32 * 128 * 2
 
 
-def test_book_mixers_build_and_decode():
-    for mixer in BOOK_MIXERS:
+def test_book_mixers_build_from_their_current_results_files():
+    for mixer in BOOK_MIXERS + SHRUNK_MIXERS:
         per_token, fixed = cache_profile(mixer.build())
         assert per_token > 0 or fixed > 0
+        best = recall(mixer)
+        assert sorted(best.by_seed) == [0, 1, 2] and len(best.means) >= 4  # a grid of rates
+    # the shrunk memories are what their files say: 4 x 4 per head
+    narrow = SHRUNK_MIXERS[1].build()
+    assert narrow.blocks[0].mixer.head_dim == 4
+    with pytest.raises(ValueError, match="no 'deltanet' run"):
+        recall(BOOK_MIXERS[2], num_pairs=3)

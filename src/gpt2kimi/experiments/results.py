@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpt2kimi.experiments import moe_train
-from gpt2kimi.experiments.hybrid_train import MQAR_MIXES
 from gpt2kimi.experiments.pipeline import (
     FORMAT,
     PACKAGE_DIR,
@@ -37,7 +36,6 @@ from gpt2kimi.experiments.pipeline import (
 )
 from gpt2kimi.experiments.tasks import get_task
 
-PAIRS = [1, 2, 4, 8]  # chapters 3-6's numbers of key-value pairs
 SEEDS = (0, 1, 2)
 
 
@@ -86,39 +84,12 @@ class ResultsEntry:
         return [(s, seed) for s in self.settings_grid() for seed in self.seeds]
 
 
-def _mqar(name, mixers, description, chapters, minutes, pairs=PAIRS, seeds=SEEDS, **fixed):
-    """An MQAR entry: mixers × pairs (× any fixed settings), and its legacy command."""
-    grid = {"mixer": list(mixers), "num_pairs": list(pairs), **{k: [v] for k, v in fixed.items()}}
-    flags = [f"--mixers {' '.join(mixers)}"]
-    if list(pairs) != PAIRS:
-        flags.append(f"--pairs {' '.join(map(str, pairs))}")
-    if tuple(seeds) != SEEDS:
-        flags.append(f"--seeds {' '.join(map(str, seeds))}")
-    flags += [f"--{k.removeprefix('train_')} {v}" for k, v in fixed.items()]
-    command = f"python -m gpt2kimi.experiments mqar {' '.join(flags)} --out book/data/{name}.json"
-    return ResultsEntry(name, "mqar", grid, tuple(seeds), description, chapters, minutes,
-                        command, f"{name}.json")
-
-
 ENTRIES: list[ResultsEntry] = [
-    _mqar("mqar_linear_attention", ["softmax", "linear", "linear_elu"],
-          "MQAR recall of softmax and linear attention (identity and elu+1) against pairs, one "
-          "rate (chapters 4-6 and 8 compare with it until their own sweeps replace it)",
-          "4, 5, 6, 8", 33),
-    _mqar("mqar_deltanet", ["deltanet"], "MQAR recall of DeltaNet against pairs", "4", 13),
-    _mqar("mqar_gating", ["gated_deltanet", "kda"],
-          "MQAR recall of Gated DeltaNet and KDA against pairs", "5", 24),
-    _mqar("mqar_mla", ["mla"], "MQAR recall of MLA against pairs", "6", 24),
     ResultsEntry(
         "hybrid_lm", "lm_hybrid", {"model": ["gpt2", "3:1", "0:1", "1:1", "all-KDA"]}, SEEDS,
         "byte LM: GPT-2 of equal active parameters against the hybrid at four KDA:MLA mixes",
         "8", 6, "python -m gpt2kimi.experiments hybrid --train lm --out book/data/hybrid_lm.json",
         "hybrid_lm.json"),
-    ResultsEntry(
-        "hybrid_mqar", "mqar", {"mixer": list(MQAR_MIXES), "num_pairs": PAIRS}, SEEDS,
-        "MQAR recall of the hybrid (KDA then MLA), pure KDA and pure MLA against pairs", "8",
-        27, "python -m gpt2kimi.experiments hybrid --train mqar --out book/data/hybrid_mqar.json",
-        "hybrid_mqar.json"),
 ]
 
 # ----------------------------------------------------------------------------------------------

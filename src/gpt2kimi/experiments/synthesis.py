@@ -24,9 +24,10 @@ from torch import nn
 
 from gpt2kimi.accounting import format_bytes, kda_param_count, moe_param_count, param_count
 from gpt2kimi.configs import HybridConfig
+from gpt2kimi.experiments.evidence import Tuned, load, select, tuned
 from gpt2kimi.experiments.hybrid_speed import decode_timer
-from gpt2kimi.experiments.pipeline import read_results
-from gpt2kimi.experiments.registry import build_model, mqar_model_config
+from gpt2kimi.experiments.hybrid_train import MQAR_MIXES
+from gpt2kimi.experiments.registry import RECORDED_BACKBONE, build_model, mqar_model_config
 from gpt2kimi.moe import MoE
 from gpt2kimi.timing import fastest_interleaved
 
@@ -116,38 +117,72 @@ def released_step_bytes(
 
 @dataclass(frozen=True)
 class Mixer:
-    """One mixer of the book as the MQAR experiments trained it."""
+    """One mixer of the book as a registered MQAR results file trained it.
+
+    ``mixer`` is the file's ``mixer`` setting (a name of the mixer registry, a mix of
+    :data:`~gpt2kimi.experiments.hybrid_train.MQAR_MIXES`, or one name per layer joined by
+    commas), ``head_dim`` the fixed memory's width per head where the file sets it (``None``:
+    the layer's default, e.g. MLA's, or softmax attention's cache).
+    """
 
     label: str
     chapter: int
-    file: str  # results file in book/data
-    name: str  # the mixer's name in that file
-    layers: str | tuple[str, ...]  # registry name(s) of the model's layers
+    file: str  # a registered results file: python -m gpt2kimi.experiments list
+    mixer: str
+    head_dim: int | None = None
 
-    def build(self) -> nn.Module:
-        layers = self.layers if isinstance(self.layers, str) else list(self.layers)
-        return build_model(layers, mqar_model_config()).eval()
+    @property
+    def options(self) -> dict:
+        """The ``mixer_options`` of the runs: the width given to every fixed-memory layer."""
+        if self.head_dim is None:
+            return {}
+        names = MQAR_MIXES.get(self.mixer, self.mixer.split(","))
+        return {n: {"head_dim": self.head_dim} for n in names if n != "mla"}
+
+    def runs(self, num_pairs: int = 8, data_dir: Path | None = None) -> list[dict]:
+        """Its runs at ``num_pairs`` pairs, every rate and seed (the file must be current)."""
+        rows = select(load(self.file, data_dir), mixer=self.mixer, num_pairs=num_pairs,
+                      mixer_options=self.options)
+        if not rows:
+            raise ValueError(f"{self.file} has no {self.mixer!r} run with {self.options} at "
+                             f"{num_pairs} pairs")
+        return rows
+
+    def build(self, data_dir: Path | None = None) -> nn.Module:
+        """The model its runs trained (untrained weights), from the settings they record."""
+        row = self.runs(data_dir=data_dir)[0]
+        config = mqar_model_config(row["vocab_size"], **{k: row[k] for k in RECORDED_BACKBONE})
+        layers = MQAR_MIXES.get(self.mixer, self.mixer.split(","))
+        return build_model(layers[0] if len(layers) == 1 else layers, config,
+                           per_mixer=row["mixer_options"]).eval()
 
 
+# every mixer of the book at full width (chapter 3's two layers of width 64, 32-wide heads),
+# then the fixed memories shrunk to 4 x 4 per head, where 8 pairs overflow them
 BOOK_MIXERS: tuple[Mixer, ...] = (
-    Mixer("softmax (MHA)", 2, "mqar_linear_attention.json", "softmax", "softmax"),
-    Mixer("linear attention", 3, "mqar_linear_attention.json", "linear", "linear"),
-    Mixer("DeltaNet", 4, "mqar_deltanet.json", "deltanet", "deltanet"),
-    Mixer("Gated DeltaNet", 5, "mqar_gating.json", "gated_deltanet", "gated_deltanet"),
-    Mixer("KDA", 5, "mqar_gating.json", "kda", "kda"),
-    Mixer("MLA", 6, "mqar_mla.json", "mla", "mla"),
-    Mixer("hybrid (KDA + MLA)", 8, "hybrid_mqar.json", "hybrid", ("kda", "mla")),
+    Mixer("softmax (MHA)", 2, "capacity_linear", "softmax"),
+    Mixer("linear attention", 3, "capacity_linear", "linear"),
+    Mixer("DeltaNet", 4, "capacity_delta", "deltanet", 32),
+    Mixer("Gated DeltaNet", 5, "capacity_delta", "gated_deltanet", 32),
+    Mixer("KDA", 5, "capacity_delta", "kda", 32),
+    Mixer("MLA", 6, "capacity_mla", "mla"),
+    Mixer("hybrid (KDA, MLA)", 8, "capacity_hybrid_full", "hybrid"),
+)
+SHRUNK_MIXERS: tuple[Mixer, ...] = (
+    Mixer("linear attention", 4, "capacity_narrow", "linear", 4),
+    Mixer("DeltaNet", 4, "capacity_narrow", "deltanet", 4),
+    Mixer("Gated DeltaNet", 5, "capacity_narrow_gated", "gated_deltanet", 4),
+    Mixer("KDA", 5, "capacity_narrow_gated", "kda", 4),
+    Mixer("KDA, 4 layers", 8, "capacity_hybrid", "kda,kda,kda,kda", 4),
+    Mixer("hybrid (3 KDA, MLA)", 8, "capacity_hybrid", "kda,kda,kda,mla", 4),
 )
 
 
-def recall(data: Path, mixer: Mixer, num_pairs: int = 8) -> list[float]:
-    """The MQAR accuracies of ``mixer`` at ``num_pairs`` pairs in its results file, by seed."""
-    _, records = read_results(Path(data) / mixer.file)
-    found = [r["accuracy"] for r in records
-             if r["mixer"] == mixer.name and r["num_pairs"] == num_pairs]
-    if not found:
-        raise ValueError(f"{mixer.file} has no {mixer.name!r} run at {num_pairs} pairs")
-    return found
+def recall(mixer: Mixer, num_pairs: int = 8, data_dir: Path | None = None) -> Tuned:
+    """``mixer``'s MQAR accuracy at ``num_pairs`` pairs at its best learning rate of the file's
+    grid (:func:`~gpt2kimi.experiments.evidence.tuned`): every seed's value at that rate."""
+    (best,) = tuned(mixer.runs(num_pairs, data_dir), ["mixer"]).values()
+    return best
 
 
 def decode_rates(
