@@ -6,10 +6,10 @@ the grid and seeds, a one-line description, the chapters that read it, the estim
 on two cores and its command line, ``python -m gpt2kimi.experiments run NAME``, which runs or
 resumes the sweep through :func:`gpt2kimi.experiments.pipeline.sweep` into ``NAME.jsonl``.
 
-Today's files were written by the older per-experiment commands as single JSON files without a
-code hash; each entry keeps that file as ``legacy_path`` (and the command that wrote it), so
-``check`` reports it stale until it is re-recorded. An entry the pipeline cannot express yet
-would be marked ``legacy=True`` and run only by its legacy command (none is, today).
+A file written by the older per-experiment commands (a single JSON file without a code hash)
+can be registered as an entry's ``legacy_path``, with the command that wrote it, so that
+``check`` reports it stale until it is re-recorded; no file of the book is one today. An entry
+the pipeline cannot express would be marked ``legacy=True`` and run only by its legacy command.
 
 :func:`entry_status` says whether an entry's file is current (same task, grid, seeds, code hash
 as today, every run present); :func:`check_files` does it for every file of a data folder, as
@@ -84,13 +84,6 @@ class ResultsEntry:
         return [(s, seed) for s in self.settings_grid() for seed in self.seeds]
 
 
-ENTRIES: list[ResultsEntry] = [
-    ResultsEntry(
-        "hybrid_lm", "lm_hybrid", {"model": ["gpt2", "3:1", "0:1", "1:1", "all-KDA"]}, SEEDS,
-        "byte LM: GPT-2 of equal active parameters against the hybrid at four KDA:MLA mixes",
-        "8", 6, "python -m gpt2kimi.experiments hybrid --train lm --out book/data/hybrid_lm.json",
-        "hybrid_lm.json"),
-]
 
 # ----------------------------------------------------------------------------------------------
 # the experiments where the thesis can fail: every mixer at four learning rates over a 10x range
@@ -118,7 +111,7 @@ def _options(mixers: list[str], head_dim: int) -> list[dict]:
     return [{"mixer": m, "mixer_options": {m: {"head_dim": head_dim}}} for m in mixers]
 
 
-ENTRIES += [
+ENTRIES: list[ResultsEntry] = [
     ResultsEntry(
         "capacity_linear", "mqar",
         _points(mixer=["softmax", "linear", "linear_elu"], num_pairs=[2, 4, 8], train_lr=LRS),
