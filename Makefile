@@ -59,6 +59,7 @@ test: unit notebooks book-check browser
 unit: $(STAMP)
 	$(BIN)/ruff check src tests book
 	$(BIN)/lint-imports
+	$(BIN)/python -m gpt2kimi.experiments check  # every results file registered and current
 	$(BIN)/python -m pytest tests --ignore=tests/browser
 
 # One pytest per notebook, NBVAL_JOBS at a time, the longest first; fails if any notebook fails.
