@@ -99,8 +99,10 @@ LOW_LRS = [2e-4, 5e-4]
 HIGH_LRS = [2e-2, 5e-2]
 HEAD_DIMS = [4, 32]  # a fixed memory of head_dim × head_dim per head; 32 = d_model / n_head
 DELTA_RULES = ["deltanet", "gated_deltanet", "kda"]
-# stale bindings: 4 keys (as many as a shrunk memory has directions) rewritten about 25 times
-STALE = dict(num_keys=4, seq_len=64, query_prob=0.25, train_batch_size=32)
+# stale bindings: 4 keys (as many as a shrunk memory has directions) written about 49 times in
+# 128 tokens, 12x what a 4-wide memory holds; batches of 16 streams, so that a step trains on
+# 2,048 tokens, as MQAR's 64 streams of 32 do
+STALE = dict(num_keys=4, seq_len=128, query_prob=0.25, train_batch_size=16)
 
 
 def _points(**axes) -> list[dict]:
@@ -189,9 +191,9 @@ ENTRIES: list[ResultsEntry] = [
            for p in _points(**STALE, train_lr=LOW_LRS)]
         + [{**m, **p} for m in _options(["deltanet", "kda", "kda_no_forget"], 4)
            for p in _points(**STALE, train_lr=HIGH_LRS)],
-        SEEDS, "stale bindings: 4 keys rewritten again and again in 64 tokens (about 25 "
-        "writes, 6x a 4-wide memory), with and without forget gates, each at 4 to 6 learning "
-        "rates", "5", 105),
+        SEEDS, "stale bindings: 4 keys rewritten again and again in 128 tokens (about 49 "
+        "writes, 12x a 4-wide memory), with and without forget gates, each at 4 to 6 learning "
+        "rates", "5", 65),
 ]
 # byte-level language models (chapters 7 and 8): 1,500 steps, three seeds, the whole validation
 # split in fixed windows, four rates over a 10x range (evenly spaced in log; a 300-step pilot
