@@ -310,22 +310,44 @@ def thesis_markdown(rows: Sequence[LayerCost]) -> str:
 # the trained tiny hybrid whose weights the chapter generates with
 
 
-def save_trained_hybrid(path: str | Path, seed: int = 0) -> list[float]:
-    """Train the 3:1 hybrid of chapter 8's language-model runs (:data:`LM_TRAINING`, ``seed``)
-    as :func:`~gpt2kimi.experiments.hybrid_train.run_lm` does, on one thread, and save its
-    weights (fp32) to ``path``; return its validation losses."""
-    from gpt2kimi.data import lm_batches, load_corpus
-    from gpt2kimi.experiments.hybrid_train import LM_TRAINING, lm_model
+TALKER_FILE = "lm_hybrid_ffn"  # the recorded runs the chapter's generating weights come from
+
+
+def talker_run(data_dir: Path | None = None, seed: int = 0) -> dict:
+    """The run of :data:`TALKER_FILE` whose weights chapter 8 generates with: the 3:1 hybrid
+    with ``seed`` at the learning rate of its best mean final loss over the seeds, as one row
+    (its settings, seed and record)."""
+    rows = select(load(TALKER_FILE, data_dir), model="3:1")
+    best = tuned(rows, ["model"], metric="final_val_loss", rate="lr", higher_is_better=False)
+    (run,) = select(rows, lr=best["3:1",].rate, seed=seed)
+    return run
+
+
+def save_trained_hybrid(path: str | Path, seed: int = 0, data_dir: Path | None = None) -> dict:
+    """Train the run :func:`talker_run` names again and save its weights (fp32) to ``path``.
+
+    It repeats the steps of :func:`~gpt2kimi.experiments.lm_ablation.run_lm_fixed` (same
+    model, seed, batches and settings, on one thread as the sweep ran it), keeping the model
+    that function lets go. Returns ``{"lr", "final_val_loss": this run's, "recorded": the
+    file's}``: equal where the machine reproduces the file, and the check that these weights
+    are the recorded run's.
+    """
+    from gpt2kimi.data import fixed_val_batches, lm_batches, load_corpus
+    from gpt2kimi.experiments.lm_ablation import LM_ABLATION_TRAINING, build_lm
     from gpt2kimi.moe import AuxLossWrapper
     from gpt2kimi.train import TrainConfig, train
 
+    run = talker_run(data_dir, seed)
+    s = {key: run[key] for key in LM_ABLATION_TRAINING}
     torch.set_num_threads(1)
-    s = LM_TRAINING
     torch.manual_seed(seed)
-    model = lm_model("3:1")
-    cfg = TrainConfig(steps=s["steps"], lr=s["lr"], warmup_steps=s["warmup_steps"],
-                      eval_interval=s["eval_interval"], eval_batches=s["eval_batches"], seed=seed)
-    batches = lm_batches(load_corpus(), s["batch_size"], s["block_size"], seed=seed)
-    history = train(AuxLossWrapper(model, bias_gamma=s["bias_gamma"]), batches, cfg)
+    model, _ = build_lm("3:1", s["block_size"])
+    cfg = TrainConfig(steps=s["steps"], lr=s["lr"], warmup_steps=min(s["warmup_steps"], s["steps"]),
+                      eval_interval=s["eval_interval"], seed=seed)
+    corpus = load_corpus()
+    history = train(AuxLossWrapper(model, bias_gamma=s["bias_gamma"]),
+                    lm_batches(corpus, s["batch_size"], s["block_size"], seed=seed), cfg,
+                    val_set=fixed_val_batches(corpus, s["block_size"], s["val_batch_size"]))
     torch.save(model.state_dict(), path)
-    return history.val_loss
+    return {"lr": s["lr"], "final_val_loss": round(history.val_loss[-1], 4),
+            "recorded": run["final_val_loss"]}
