@@ -1,6 +1,5 @@
-"""Sliding-window recall (a task that needs forgetting), the ablation layers, the sweep command."""
+"""Sliding-window recall (a task that needs forgetting), the ablation layers, the machine record."""
 
-import json
 from functools import partial
 
 import pytest
@@ -9,7 +8,6 @@ from torch import nn
 
 from gpt2kimi.backbone import BackboneConfig, LanguageModel
 from gpt2kimi.deltanet import DeltaNet
-from gpt2kimi.experiments.__main__ import forget_main
 from gpt2kimi.experiments.ablations import (
     AdditiveDeltaNet,
     GatedLinearAttention,
@@ -253,26 +251,10 @@ def test_kda_without_forgetting_never_decays_and_trains():
 
 
 # ----------------------------------------------------------------------------------------------
-# the sweep command and its record of the machine
+# the record of the machine
 
 
 def test_machine_info_names_the_cpu_threads_and_versions():
     info = machine_info(jobs=2)
     assert info["cpu"] and info["threads_per_run"] == 1 and info["parallel_runs"] == 2
     assert info["torch"] == torch.__version__ and info["logical_cpus"] >= 1
-
-
-def test_the_command_writes_settings_machine_results_and_live_subset(tmp_path, capsys):
-    out = tmp_path / "forget.json"
-    argv = "--mixers linear deltanet_additive --seeds 0 --vocab-size 64 --seq-len 61"
-    argv += " --num-queries 8 --window 3 --steps 2 --batch-size 4 --jobs 1"
-    argv += f" --live-mixers linear --live-steps 1 --out {out}"
-    forget_main(argv.split())
-    record = json.loads(out.read_text())
-    assert [r["mixer"] for r in record["results"]] == ["linear", "deltanet_additive"]
-    settings = record["settings"]
-    assert settings["train_steps"] == 2 and settings["train_batch_size"] == 4
-    assert settings["machine"]["cpu"] and settings["seconds"] >= 0
-    assert record["live"]["settings"]["train_steps"] == 1
-    assert [r["mixer"] for r in record["live"]["results"]] == ["linear"]
-    assert "wrote" in capsys.readouterr().out

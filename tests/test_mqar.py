@@ -6,7 +6,6 @@ from torch import nn
 
 from gpt2kimi.attention import SoftmaxAttention
 from gpt2kimi.backbone import BackboneConfig, LanguageModel
-from gpt2kimi.experiments.__main__ import mqar_main
 from gpt2kimi.experiments.mqar import (
     IGNORE,
     MQARConfig,
@@ -185,28 +184,3 @@ def test_sweep_covers_the_grid_in_order_and_summarises():
         mean_over_seeds(sweep["results"], mixer="kda", num_pairs=1)
     table = format_table(sweep)
     assert table.splitlines()[0].split() == ["mixer", "N=1", "N=2"]
-
-
-def test_the_command_writes_a_results_file(tmp_path, capsys):
-    out = tmp_path / "mqar.json"
-    mqar_main(
-        [
-            "--mixers",
-            "linear",
-            "--pairs",
-            "1",
-            "--seeds",
-            "0",
-            "--steps",
-            "2",
-            "--seq-len",
-            "8",
-            "--jobs",
-            "1",
-            "--out",
-            str(out),
-        ]
-    )
-    sweep = json.loads(out.read_text())
-    assert [r["mixer"] for r in sweep["results"]] == ["linear"]
-    assert "wrote" in capsys.readouterr().out

@@ -15,23 +15,31 @@ from gpt2kimi.experiments import results
 from gpt2kimi.experiments.__main__ import main
 from gpt2kimi.experiments.mqar import MQARTraining, run_mqar
 from gpt2kimi.experiments.pipeline import (
+    FORMAT,
+    CommitSources,
     ResultsFileError,
     VerificationFailed,
+    ast_hashes,
+    code_ast_hash,
+    code_form,
     code_hash,
     code_hashes,
     expand_grid,
     missing_runs,
     read_results,
     record_differences,
+    rehash,
+    run_lines,
     source_files,
     sweep,
     sweep_files,
     task_code,
+    task_code_ast_hash,
     task_code_hash,
     verifications,
     verify,
 )
-from gpt2kimi.experiments.results import REGISTRY, ResultsEntry, check_files, legacy_differences
+from gpt2kimi.experiments.results import REGISTRY, ResultsEntry, check_files
 from gpt2kimi.experiments.tasks import MQAR, TASKS
 
 DATA = Path(__file__).resolve().parents[1] / "book" / "data"
@@ -159,6 +167,56 @@ def test_code_hash_covers_what_the_runs_import_and_nothing_else(tmp_path):
     assert task_code_hash(MQAR) != task_code_hash(TASKS["rewrite"])
 
 
+AST_SOURCE = '''"""A module."""
+
+# a comment
+RATE = 1e-3
+
+
+class Model:
+    """A class."""
+
+    def step(self, x, scale=2):
+        """A method."""
+        label = "not a docstring"
+        return x * scale  # why: the scale
+'''
+
+
+@pytest.mark.parametrize(("edit", "same"), [
+    (("A module.", "The module, reworded."), True),
+    (("A class.", "A class,\n    on two lines."), True),
+    (('        """A method."""\n', ""), True),  # a docstring dropped
+    (("# a comment", "# another comment\n# and one more"), True),
+    (("  # why: the scale", ""), True),
+    (("\n\nclass", "\n\n\n\nclass"), True),  # layout
+    (("1e-3", "0.001"), True),  # the same constant, spelt otherwise
+    (("1e-3", "2e-3"), False),  # a constant
+    (("scale=2", "scale=3"), False),  # a default value
+    (("not a docstring", "another string"), False),  # a string that is not a docstring
+    (("x * scale", "scale * x"), False),  # code
+    (("return x * scale", "return x * scale\n        return 0"), False),
+    (('        """A method."""\n', '        """A method."""\n        "a string statement"\n'),
+     False),  # a string after the docstring is a statement, not a docstring
+])
+def test_the_ast_hash_ignores_docstrings_and_comments_and_nothing_else(tmp_path, edit, same):
+    (tmp_path / "pkg").mkdir()
+    run = tmp_path / "pkg" / "run.py"
+    run.write_text(AST_SOURCE)
+    package = tmp_path / "pkg"
+    raw, ast_hash = code_hash(package, "pkg.run"), code_ast_hash(package, "pkg.run")
+    assert edit[0] in AST_SOURCE
+    run.write_text(AST_SOURCE.replace(edit[0], edit[1], 1))
+    assert code_hash(package, "pkg.run") != raw  # the bytes changed
+    assert (code_ast_hash(package, "pkg.run") == ast_hash) is same
+
+
+def test_the_code_form_keeps_the_type_of_a_constant():
+    forms = {code_form(text.encode()) for text in ("x = 1\n", "x = 1.0\n", "x = True\n",
+                                                     "x = '1'\n", "x = b'1'\n")}
+    assert len(forms) == 5
+
+
 def test_sweep_appends_each_run_as_it_finishes_and_a_rerun_does_nothing(tmp_path):
     out = tmp_path / "runs.jsonl"
     on_disk = []
@@ -169,6 +227,7 @@ def test_sweep_appends_each_run_as_it_finishes_and_a_rerun_does_nothing(tmp_path
     assert all(r["run_seconds"] >= 0 for r in records)
     assert header["task"] == "mqar" and header["seeds"] == [0, 1]
     assert header["code"]["hash"] == task_code_hash(MQAR)
+    assert header["code"]["ast_hash"] == task_code_ast_hash(MQAR)
     assert header["machine"]["parallel_runs"] == 1
     assert header["grid"] == [MQAR.settings(s) for s in tiny_mqar_grid()]
     before = out.read_bytes()
@@ -234,10 +293,7 @@ def test_a_line_cut_short_is_ignored_and_its_run_redone(tmp_path):
 def test_a_file_of_other_code_or_another_sweep_is_refused(tmp_path):
     out = tmp_path / "runs.jsonl"
     sweep(MQAR, tiny_mqar_grid(1), [0], out=out)
-    lines = out.read_text().splitlines()
-    header = json.loads(lines[0])
-    header["code"]["hash"] = "0" * 64
-    out.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    _recorded_by_other_code(out)
     before = out.read_bytes()
     today = task_code_hash(MQAR)
     with pytest.raises(ResultsFileError, match=f"code hash 0{{64}} in the file, {today}"):
@@ -272,10 +328,7 @@ def test_a_grown_grid_extends_its_file_and_a_shrunk_one_is_refused(tmp_path):
 def test_a_file_verified_by_todays_code_can_grow(tmp_path):
     out = tmp_path / "runs.jsonl"
     sweep(MQAR, tiny_mqar_grid(1), [0], out=out)
-    lines = out.read_text().splitlines()
-    header = json.loads(lines[0])
-    header["code"]["hash"] = "0" * 64  # recorded by older code ...
-    out.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    _recorded_by_other_code(out)  # recorded by older code ...
     with pytest.raises(ResultsFileError, match="which has not reproduced it"):
         sweep(MQAR, tiny_mqar_grid(), [0], out=out)
     verify(MQAR, out, runs=1)  # ... that today's code reproduces
@@ -285,40 +338,9 @@ def test_a_file_verified_by_todays_code_can_grow(tmp_path):
     assert session[-1]["session"]["code"]["hash"] == task_code_hash(MQAR)
 
 
-def legacy_file(tmp_path: Path, lr: float = 3e-3) -> ResultsEntry:
-    """An older single-JSON results file in ``tmp_path`` (two MQAR runs) and its entry."""
-    results = [{"mixer": "linear", "num_pairs": 2, "seed": s, "accuracy": 0.5} for s in (0, 1)]
-    settings = {"mixers": ["linear"], "pairs": [2], "seeds": [0, 1], "train_lr": lr}
-    (tmp_path / "old.json").write_text(json.dumps({"settings": settings, "results": results,
-                                                   "live": {"settings": {}, "results": []}}))
-    return ResultsEntry("old", "mqar", {"mixer": ["linear"], "num_pairs": [2]}, (0, 1),
-                        "an older file", "3", 1, "python -m gpt2kimi.experiments mqar",
-                        "old.json")
-
-
-def test_read_results_reads_the_older_single_json_files(tmp_path):
-    legacy_file(tmp_path)
-    header, records = read_results(tmp_path / "old.json")
-    assert header["format"] == "legacy" and header["settings"]["mixers"] == ["linear"]
-    assert "live" in header and [r["seed"] for r in records] == [0, 1]
-
-
-def test_every_file_of_the_book_is_registered_faithfully(tmp_path):
-    rows = check_files(DATA)
-    new = {entry.path for entry in REGISTRY.values() if entry.legacy_path is None}
-    assert {name for name, _ in rows} - new == {p.name for p in DATA.glob("*.json*")} - new
-    old = [row for row in rows if row[0] not in new]
-    assert not [row for row in old if not row[1].startswith("stale: legacy file")]
-    for entry in REGISTRY.values():
-        if entry.legacy_path:
-            assert legacy_differences(entry, DATA) == [], entry.name
-    # an older file is compared with its entry: settings and runs
-    entry = legacy_file(tmp_path)
-    assert legacy_differences(entry, tmp_path) == []
-    runs = legacy_differences(replace(entry, seeds=(0,)), tmp_path)
-    assert runs[0].startswith("runs (mixer, num_pairs, seed): file")
-    legacy_file(tmp_path, lr=1e-2)
-    assert legacy_differences(entry, tmp_path)[0].startswith("train_lr: file 0.01, registry")
+def test_every_file_of_the_book_is_registered():
+    rows = dict(check_files(DATA))  # every file there, and every registered file missing
+    assert set(rows) == {entry.path for entry in REGISTRY.values()}  # none unregistered
 
 
 def test_several_files_share_one_pool_their_runs_interleaved_and_each_resumes(tmp_path):
@@ -375,10 +397,11 @@ def test_check_passes_a_current_file_and_fails_a_stale_or_unregistered_one(
 
 
 def _recorded_by_other_code(path: Path) -> None:
-    """Rewrite a results file's header as if earlier code had recorded it."""
+    """Rewrite a results file's header as if earlier code had recorded it (both its hashes
+    zeros)."""
     lines = path.read_text().splitlines()
     header = json.loads(lines[0])
-    header["code"]["hash"] = "0" * 64
+    header["code"].update({"hash": "0" * 64, "ast_hash": "0" * 64})
     path.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
 
 
@@ -434,3 +457,111 @@ def test_record_differences_compare_numbers_within_the_tolerance_and_skip_timing
         "mixer: recorded 'kda', now 'mla'"]
     assert record_differences(old, {k: v for k, v in old.items() if k != "accuracy"}, 1) == [
         "accuracy: only in the recorded record"]
+
+
+# ----------------------------------------------------------------------------------------------
+# rehash: the AST hash of a file recorded before there was one
+
+
+def _git(cwd: Path, *args: str) -> str:
+    out = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args],
+                         cwd=cwd, capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def _results_file(path: Path, *codes: dict) -> None:
+    """A results file whose header names the first code and a verification each later one."""
+    header = {"format": FORMAT, "task": "t", "grid": [], "seeds": [0], "machine": {},
+              "started": "2025-01-01T00:00:00Z", "code": codes[0]}
+    lines = [header] + [{"verified": {"code": code, "runs": []}} for code in codes[1:]]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_rehash_takes_the_ast_hash_from_the_sources_that_gave_the_recorded_hash(tmp_path):
+    """A file recorded with uncommitted edits: its commit's sources do not give its hash, a
+    later commit's do. A hash that no commit gives is left alone."""
+    repo, package = tmp_path / "repo", tmp_path / "repo" / "src" / "pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "run.py").write_text("X = 1\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "first")
+    first = _git(repo, "rev-parse", "HEAD")
+    (package / "run.py").write_text('"""Edited before the commit."""\nX = 2\n')
+    code = {"modules": ["pkg.run"], "shallow": []}
+    recorded = {"commit": first, "dirty": True, "hash": code_hash(package, "pkg.run"), **code}
+    _git(repo, "commit", "-q", "-am", "second")
+    second = _git(repo, "rev-parse", "HEAD")
+    unknown = {"commit": first, "dirty": True, "hash": "f" * 64, **code}
+    path = tmp_path / "runs.jsonl"
+    _results_file(path, recorded, unknown)
+    said = []
+    with CommitSources(package) as sources:
+        (added,) = rehash(path, sources, log=said.append)
+    assert added["from"] == recorded["hash"] and added["commit"] == second
+    assert added["recorded_commit"] == first
+    assert f"sources found at {second[:12]}" in said[0]
+    assert "ffffffffffff" in said[1] and "nothing written" in said[1]
+    (package / "run.py").write_text('"""A docstring edited since."""\n# a comment\nX = 2\n')
+    assert ast_hashes(path) == {code_ast_hash(package, "pkg.run")}
+    assert code_hash(package, "pkg.run") not in code_hashes(path)
+    before = path.read_bytes()
+    with CommitSources(package) as sources:
+        assert rehash(path, sources) == []  # once is enough; the unknown hash stays unknown
+    assert path.read_bytes() == before
+    _results_file(path, unknown)  # no code whose sources git holds: nothing written
+    before = path.read_bytes()
+    with CommitSources(package) as sources:
+        assert rehash(path, sources) == []
+    assert path.read_bytes() == before
+
+
+def test_rehash_vouches_for_a_file_recorded_at_a_real_commit(tmp_path, monkeypatch, capsys):
+    """A file recorded at this repository's HEAD, before AST hashes existed: ``rehash`` gives it
+    the AST hash of HEAD's sources, which then vouches for it."""
+    with CommitSources() as sources:
+        head = next(iter(sources.history()), None)
+        if head is None:
+            pytest.skip("not in a git working tree")
+        code = task_code(MQAR)
+        package = sources.package_at(head)
+        raw = code_hash(package, code["modules"], code["shallow"])
+        expected = code_ast_hash(package, code["modules"], code["shallow"])
+    entry = ResultsEntry("tiny", "mqar", tiny_mqar_grid(1), (0,), "a tiny sweep", "-", 0.1)
+    monkeypatch.setattr(results, "REGISTRY", {"tiny": entry})
+    main(["run", "tiny", "--jobs", "1", "--data", str(tmp_path)])
+    path = tmp_path / "tiny.jsonl"
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0])
+    header["code"] = {"commit": head, "dirty": False, "hash": raw, **code}  # no AST hash yet
+    path.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    assert ast_hashes(path) == set()
+    assert results.file_status(entry, path, "0" * 64, expected).startswith("stale: recorded")
+    main(["rehash", "--data", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert f"sources found at {head[:12]}" in out and "1 AST hash(es) added" in out
+    assert ast_hashes(path) == {expected}
+    assert results.file_status(entry, path, "0" * 64, expected) == "current"
+    assert len(run_lines(path)) == 1 and missing_runs(path) == []  # a rehash is no run
+
+
+def test_a_rehashed_file_can_grow_and_a_rehash_of_other_code_vouches_for_nothing(tmp_path):
+    out = tmp_path / "runs.jsonl"
+    sweep(MQAR, tiny_mqar_grid(1), [0], out=out)
+    _recorded_by_other_code(out)
+    stray = {"rehashed": {"from": "1" * 64, "ast_hash": task_code_ast_hash(MQAR)}}
+    with out.open("a") as f:  # an AST hash of code that vouches for nothing here
+        f.write(json.dumps(stray) + "\n")
+    assert ast_hashes(out) == {"0" * 64}
+    with pytest.raises(ResultsFileError, match="which has not reproduced it"):
+        sweep(MQAR, tiny_mqar_grid(), [0], out=out)
+    vouching = {"rehashed": {"from": "0" * 64, "ast_hash": task_code_ast_hash(MQAR)}}
+    with out.open("a") as f:  # the AST hash of the code that recorded the file: today's
+        f.write(json.dumps(vouching) + "\n")
+    ran = []
+    header, records = sweep(MQAR, tiny_mqar_grid(), [0], out=out, log=ran.append)
+    assert [r["num_pairs"] for r in ran] == [2] and [r["num_pairs"] for r in records] == [1, 2]
+    assert missing_runs(out) == [] and len(run_lines(out)) == 2
+    entry = ResultsEntry("runs", "mqar", tiny_mqar_grid(), (0,), "a rehashed file", "3", 0.1)
+    assert results.file_status(entry, out) == "current"

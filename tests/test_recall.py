@@ -173,22 +173,3 @@ def test_sweep_in_worker_processes_matches_one_process():
     for p, s in zip(parallel, serial, strict=True):
         assert p["mixer"] == s["mixer"] and p["num_keys"] == s["num_keys"]
         assert p["final_loss"] == pytest.approx(s["final_loss"], abs=1e-3)
-
-
-def test_the_command_writes_the_sweep_and_its_live_subset(tmp_path, capsys):
-    import json
-
-    from gpt2kimi.experiments.__main__ import rewrite_main
-    from gpt2kimi.experiments.rewrite import format_table
-
-    out = tmp_path / "rewrite.json"
-    args = "--mixers linear deltanet --keys 2 --seeds 0 --steps 2 --seq-len 10 --jobs 1"
-    rewrite_main([*args.split(), "--live-mixers", "linear", "--live-steps", "1", "--out", str(out)])
-    record = json.loads(out.read_text())
-    assert [r["mixer"] for r in record["results"]] == ["linear", "deltanet"]
-    assert record["settings"]["train_steps"] == 2 and record["settings"]["seq_len"] == 10
-    assert [r["mixer"] for r in record["live"]["results"]] == ["linear"]
-    assert record["live"]["settings"]["train_steps"] == 1
-    table = format_table(record).splitlines()
-    assert table[0].split() == ["mixer", "keys=2", "stale:", "keys=2"] and len(table) == 3
-    assert "wrote" in capsys.readouterr().out

@@ -1,16 +1,15 @@
 """Timing helpers (a support module): the clock the benchmarks read, and how cost grows.
 
-:func:`time_fn` (median of repeats), :func:`timed` and :func:`fastest_interleaved` (runs
-measured side by side, in turns) serve :mod:`gpt2kimi.experiments`' speed measurements and the
-command lines of :mod:`gpt2kimi.bench`; :func:`loglog_slope` reads a cost's growth off a sweep
-(1: linear, 2: quadratic). On CUDA every clock waits for the GPU's queued work first
-(:func:`synchronize`). Imports nothing of the package.
+:func:`timed` and :func:`fastest_interleaved` (runs measured side by side, in turns) serve
+:mod:`gpt2kimi.experiments`' speed measurements and the command lines of :mod:`gpt2kimi.bench`;
+:func:`loglog_slope` reads a cost's growth off a sweep (1: linear, 2: quadratic). On CUDA every
+clock waits for the GPU's queued work first (:func:`synchronize`). Imports nothing of the
+package.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable
 
@@ -22,20 +21,6 @@ def synchronize() -> None:
     clock read without waiting measures the launch, not the work. A no-op on the CPU."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
-
-
-def time_fn(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> float:
-    """Median wall-clock seconds of ``fn()`` over ``repeats`` runs, after ``warmup`` runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        synchronize()
-        start = time.perf_counter()
-        fn()
-        synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def timed(fn: Callable[[], object]) -> Callable[[], float]:

@@ -11,7 +11,7 @@ installed).
     python -m gpt2kimi.bench hybrid                          # 1K … 16K tokens, batch 8
     python -m gpt2kimi.bench hybrid --contexts 1024 4096 --batch 4
 
-Chapter 8's training runs are ``python -m gpt2kimi.experiments hybrid --train lm|mqar``.
+Chapter 8's training runs are ``python -m gpt2kimi.experiments run NAME`` (``list`` names them).
 """
 
 from __future__ import annotations

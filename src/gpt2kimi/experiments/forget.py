@@ -5,8 +5,12 @@ trained with each named mixer on sliding-window recall
 (:class:`gpt2kimi.experiments.recall.WindowRecallConfig`): a stream of 24 facts, three times as
 many as a head has key directions, whose 8 queries ask only about the 4 latest, so a memory that
 keeps everything fills up with facts that are never asked for again. This module holds the
-settings of the runs, the models by name and the table; ``python -m gpt2kimi.experiments
-forget`` runs them and writes ``book/data/forget_window.json``.
+settings of the runs (:data:`N_HEAD`, :data:`STEPS`, :data:`BATCH_SIZE`, :data:`WARMUP`), which
+the ``window`` task of :mod:`gpt2kimi.experiments.tasks` takes as its defaults; a results file
+of that task would be registered in :mod:`gpt2kimi.experiments.results` and recorded by
+``python -m gpt2kimi.experiments run NAME`` (the book holds none today). :data:`COMPARED`,
+:data:`LIVE`, :func:`model_factories` and :func:`format_table` served the earlier
+per-experiment command; no command uses them any more.
 """
 
 from __future__ import annotations

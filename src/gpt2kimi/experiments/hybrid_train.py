@@ -1,11 +1,13 @@
 """Chapter 8's training runs: the hybrid against GPT-2 on the byte corpus, the KDA:MLA ratio,
 and the hybrid on MQAR.
 
-:func:`lm_sweep` trains GPT-2 of equal active parameters and the tiny hybrid (:data:`LM_CONFIG`)
-at several KDA:MLA mixes (:data:`RATIOS`) on the built-in byte corpus; :func:`mqar_runs` trains
-the hybrid (KDA then MLA), pure KDA and pure MLA on MQAR at chapter 3's settings.
-``python -m gpt2kimi.experiments hybrid --train lm|mqar`` runs them and writes chapter 8's
-results files (``book/data/hybrid_lm.json``, ``book/data/hybrid_mqar.json``).
+:func:`run_lm` trains GPT-2 of equal active parameters or the tiny hybrid (:data:`LM_CONFIG`)
+at a KDA:MLA mix (:data:`RATIOS`) on the built-in byte corpus (the ``lm_hybrid`` task);
+:func:`run_mqar_job` trains a per-layer mix of :data:`MQAR_MIXES` (the hybrid: KDA then MLA) on
+MQAR at chapter 3's settings (the ``mqar`` task, :mod:`gpt2kimi.experiments.tasks`). The book's
+results files are recorded by ``python -m gpt2kimi.experiments run NAME``
+(:mod:`gpt2kimi.experiments.results`); :func:`lm_sweep` and :func:`mqar_runs` gather several
+such runs into one dict, and no command calls them any more.
 """
 
 from __future__ import annotations
@@ -98,6 +100,8 @@ def run_lm(job: tuple[str, int, dict]) -> dict:
 
 
 def lm_sweep(names: list[str], seeds: list[int], jobs: int = 2, **overrides) -> dict:
+    """Every model of ``names`` × every seed of :func:`run_lm`, ``jobs`` at once, as one dict
+    ``{"settings", "results"}`` (no results file of the book is written this way today)."""
     settings = {**LM_TRAINING, **overrides}
     start = time.perf_counter()
     results = map_jobs(run_lm, [(n, s, settings) for n in names for s in seeds], jobs,

@@ -10,8 +10,11 @@ four feed-forward variants at equal **active** parameters::
 
 For each run the record holds the validation losses, the load of every MoE layer over training
 (max / mean tokens per expert, per step) and, after training, which experts each kind of byte
-is sent to. ``python -m gpt2kimi.experiments moe-train`` runs :func:`moe_train_sweep` and writes
-the results file that chapter 7 plots (``book/data/moe_train.json``).
+is sent to. :func:`run_variant` is one run (the ``lm_moe`` and ``lm_moe_fixed`` tasks,
+:mod:`gpt2kimi.experiments.tasks`); chapter 7's results files are recorded by ``python -m
+gpt2kimi.experiments run lm_moe`` (and ``lm_moe_live``). :func:`moe_train_sweep`,
+:func:`format_table` and :func:`dumps` (several variants into one dict, a table of it, its JSON)
+are what the earlier per-experiment command used; no command calls them any more.
 """
 
 from __future__ import annotations

@@ -22,8 +22,10 @@ Layout used here (a re-implementation of the task, not Zoology's code):
 Everything is vectorised over the batch: no Python loop over sequences or pairs.
 
 Then the runs by mixer name: :func:`run_mqar` trains one model of the registry
-(:mod:`gpt2kimi.experiments.registry`) on the task, :func:`mqar_sweep` every mixer × number of
-pairs × seed (the results files of chapters 3-6), :func:`format_table` prints a sweep.
+(:mod:`gpt2kimi.experiments.registry`) on the task; it is the ``mqar`` task of
+:mod:`gpt2kimi.experiments.tasks`, whose results files (chapters 3-6 and 8) are recorded by
+``python -m gpt2kimi.experiments run NAME``. :func:`mqar_sweep` runs every mixer × number of
+pairs × seed into one dict and :func:`format_table` prints it; no command calls them any more.
 """
 
 from __future__ import annotations

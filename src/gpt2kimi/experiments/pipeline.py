@@ -14,6 +14,8 @@ results file: one header line, then one line per finished run::
                                                                 reproduced some runs)
     {"grid_added": {"grid": [{...}, ...], "at": "...Z"}}       (the grid grew: more points,
                                                                 the same task, seeds and code)
+    {"rehashed": {"from": "<hash>", "ast_hash": "...", ...}}   (:func:`rehash`: the AST hash
+                                                                of the sources of that hash)
 
 Why lines: a run is on disk the moment it ends, so a killed or crashed sweep loses only the
 runs in flight, and a re-run skips every run already in the file (same settings and seed). A
@@ -24,23 +26,38 @@ file never mixes two versions of the library that disagree. A grid may
 grow (a learning rate added where the best one sat at an end): the new points are appended as a
 ``grid_added`` line and run; the header's grid plus those lines is the file's grid.
 
-:func:`read_results` reads these files and the older single-JSON files
-(``{"settings": ..., "results": [...]}``) alike, as ``(header, records)``.
+Two hashes name the code: ``hash``, of the source files' bytes, and ``ast_hash``
+(:func:`code_ast_hash`), of their syntax trees without docstrings (comments are not in the
+tree). Code with the same ``ast_hash`` runs the same, so an edit of a docstring or a comment
+leaves every file current. A file recorded before ``ast_hash`` existed gets it from
+:func:`rehash`, which computes it from the sources in git that give exactly the recorded
+``hash`` (the recorded commit's, or a later commit's for a recording with uncommitted edits),
+and from nothing else.
+
+:func:`read_results` reads a file as ``(header, records)``.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
+import io
 import itertools
 import json
 import os
+import platform
+import re
+import shutil
 import subprocess
+import tarfile
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -77,8 +94,16 @@ def _module_file(package_dir: Path, module: str) -> Path | None:
 def _imported_modules(path: Path, package: str) -> set[str]:
     """Every ``package...`` module that the file imports anywhere (functions included), each
     with its parent packages, whose ``__init__`` runs on the way."""
+    return set(_imports_in(path.read_bytes(), package))
+
+
+# keyed by the source itself, so never out of date: ``check`` hashes the same files for every
+# results file, and parsing them is most of its time
+@functools.lru_cache(maxsize=512)
+def _imports_in(source: bytes, package: str) -> frozenset[str]:
+    """:func:`_imported_modules` of a file's source."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_bytes())):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -90,7 +115,7 @@ def _imported_modules(path: Path, package: str) -> set[str]:
             parts = name.split(".")
             if parts[0] == package:
                 found.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
-    return found
+    return frozenset(found)
 
 
 def source_files(
@@ -144,6 +169,69 @@ def code_hash(
     return digest.hexdigest()
 
 
+# Bumped whenever the canonical form below changes: hashes of two forms never compare equal.
+AST_FORM = b"gpt2kimi-ast/1\0"
+
+
+def _drop_docstrings(tree: ast.Module) -> ast.Module:
+    """``tree`` without its docstrings: the first statement of the module and of every class and
+    function body when it is a string constant on its own."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = node.body[0] if node.body else None
+            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                    and isinstance(first.value.value, str)):
+                node.body = node.body[1:]
+    return tree
+
+
+def _canonical(node: object) -> str:
+    """A syntax tree as text: each node's type and named fields, no positions.
+
+    Like ``ast.dump(node, include_attributes=False)``, but a field that is None or an empty
+    list is left out, as Python 3.13's dump does and 3.12's new empty ``type_params`` need, so
+    the text is the same on the Pythons the package supports. Every field kept is named, so
+    leaving the empty ones out never makes two trees alike. A constant keeps its type (``1``,
+    ``1.0`` and ``True`` differ)."""
+    if isinstance(node, ast.AST):
+        fields = []
+        for name in node._fields:
+            value = getattr(node, name, None)
+            if value is None or (isinstance(value, list) and not value):
+                continue
+            fields.append(f"{name}={_canonical(value)}")
+        return f"{type(node).__name__}({', '.join(fields)})"
+    if isinstance(node, list):
+        return "[" + ", ".join(_canonical(item) for item in node) + "]"
+    return f"{type(node).__name__}:{node!r}"
+
+
+@functools.lru_cache(maxsize=512)  # keyed by the source: see _imports_in
+def code_form(source: bytes) -> str:
+    """What a source file does, as text: its syntax tree without docstrings (:func:`_canonical`).
+    Comments, docstrings, blank lines and layout do not show; any other edit does (code, a
+    default value, a string that is not a docstring)."""
+    return _canonical(_drop_docstrings(ast.parse(source)))
+
+
+def code_ast_hash(
+    package_dir: Path = PACKAGE_DIR,
+    module: str | Sequence[str] = RUN_MODULE,
+    shallow: Sequence[str] = (),
+) -> str:
+    """sha256 (hex) of what the code a run executes does: the files of :func:`code_hash`, in its
+    order, each path and its :func:`code_form` hashed in turn.
+
+    Editing a docstring or a comment leaves it as it was; anything else that :func:`code_hash`
+    sees changes it. The form of a tree can differ between Python versions (a new field that is
+    not empty): then the hash differs too, and a file reads as stale, never wrongly current."""
+    digest = hashlib.sha256(AST_FORM)
+    for path in source_files(package_dir, module, shallow):
+        digest.update(path.relative_to(package_dir).as_posix().encode() + b"\0")
+        digest.update(code_form(path.read_bytes()).encode() + b"\0")
+    return digest.hexdigest()
+
+
 def task_code(task: Task) -> dict:
     """What makes up a task's code: the modules whose imports it runs (``task.modules``, their
     closure) and :data:`RUN_MODULE`, the file that defines every task (alone: it imports every
@@ -158,10 +246,17 @@ def task_code_hash(task: Task) -> str:
     return code_hash(PACKAGE_DIR, code["modules"], code["shallow"])
 
 
-def _git(*args: str) -> str | None:
+def task_code_ast_hash(task: Task) -> str:
+    """:func:`code_ast_hash` of :func:`task_code`: the hash that ignores docstrings and
+    comments, which ``check`` also accepts."""
+    code = task_code(task)
+    return code_ast_hash(PACKAGE_DIR, code["modules"], code["shallow"])
+
+
+def _git(*args: str, cwd: Path = PACKAGE_DIR) -> str | None:
     try:
         out = subprocess.run(
-            ["git", *args], cwd=PACKAGE_DIR, capture_output=True, text=True, timeout=10
+            ["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10
         )
     except (OSError, subprocess.SubprocessError):
         return None
@@ -170,10 +265,10 @@ def _git(*args: str) -> str | None:
 
 def code_info(task: Task) -> dict:
     """The code a run of ``task`` executes: ``{"commit": git HEAD or None, "dirty": whether
-    that source differs from it (None outside git), "hash": task_code_hash(task), and
-    task_code(task)}``; outside git, the commit is ``$GPT2KIMI_COMMIT`` if set (a copy sent
-    to another machine). Only the hash decides whether a file is current; the commit tells a
-    reader where to look."""
+    that source differs from it (None outside git), "hash": task_code_hash(task), "ast_hash":
+    task_code_ast_hash(task), and task_code(task)}``; outside git, the commit is
+    ``$GPT2KIMI_COMMIT`` if set (a copy sent to another machine). Only the hashes decide whether
+    a file is current; the commit tells a reader where to look."""
     commit = _git("rev-parse", "HEAD")
     code = task_code(task)
     files = [str(p) for p in source_files(PACKAGE_DIR, code["modules"], code["shallow"])]
@@ -184,6 +279,7 @@ def code_info(task: Task) -> dict:
         "commit": commit,
         "dirty": None if status is None else bool(status),
         "hash": task_code_hash(task),
+        "ast_hash": task_code_ast_hash(task),
         **code,
     }
 
@@ -243,14 +339,10 @@ def _read_lines(path: Path) -> tuple[list[dict], int]:
 
 
 def read_results(path: str | Path) -> tuple[dict, list[dict]]:
-    """``(header, records)`` of a results file, in either format.
-
-    JSON lines (:func:`sweep`): the header line, with ``header["sessions"]`` listing every
-    start and resume (time and machine), and the records in grid × seed order; a last line cut
-    short is ignored. The older single JSON file ``{"settings": ..., "results": [...], ...}``:
-    ``header = {"format": "legacy", "settings": ..., and its other keys (e.g. "live")}``,
-    ``records`` = its ``results``.
-    """
+    """``(header, records)`` of a results file (:func:`sweep`): the header line, with
+    ``header["sessions"]`` listing every start and resume (time and machine), and the records in
+    grid × seed order; a last line cut short is ignored. :class:`ResultsFileError` if the file
+    does not start with a header of this format."""
     path = Path(path)
     with path.open("rb") as f:
         first = f.readline()
@@ -259,9 +351,7 @@ def read_results(path: str | Path) -> tuple[dict, list[dict]]:
     except json.JSONDecodeError:
         head = None
     if not (isinstance(head, dict) and head.get("format") == FORMAT):
-        data = json.loads(path.read_text())
-        header = {"format": "legacy", **{k: v for k, v in data.items() if k != "results"}}
-        return header, list(data.get("results", []))
+        raise ResultsFileError(f"{path}: not a {FORMAT} file")
     lines, _ = _read_lines(path)
     header = _file_header(lines)
     header["sessions"] = [{"started": header["started"], "machine": header["machine"]}]
@@ -467,20 +557,20 @@ class _OpenSweep:
         lines, good_end = _read_lines(path)
         if lines and not restart:  # a resume (a header cut short: start afresh)
             old = _file_header(lines)
-            vouched = {v["verified"]["code"]["hash"] for v in lines[1:] if "verified" in v}
-            added = _check_same_sweep(path, old, header, vouched)
+            added = _check_same_sweep(path, old, header, *_vouching(lines))
             self.f.truncate(good_end)  # drop a line cut short by a kill
             if added:  # the grid grew: its new points join the file's grid
                 _append(self.f, {"grid_added": {"grid": added, "at": header["started"]}})
             done = {run_key(ln["settings"], ln["seed"]) for ln in lines[1:] if "record" in ln}
-            self.code = header["code"]["hash"]
             self.session = {"started": header["started"], "machine": header["machine"]}
-            if self.code != lines[0]["code"]["hash"]:  # newer code that verified the file
+            if header["code"]["hash"] != lines[0]["code"]["hash"]:  # other code, that vouches
                 self.session["code"] = header["code"]
         else:
             self.f.truncate(0)
-            done, self.code, self.session = set(), header["code"]["hash"], None
+            done, self.session = set(), None
             _append(self.f, header)
+        # what the runs must keep executing: a docstring edited mid-sweep changes no run
+        self.code = header["code"]["ast_hash"]
         self.todo = [(task, s, seed) for s, seed in _runs_of(header)
                      if run_key(s, seed) not in done]
 
@@ -488,12 +578,12 @@ class _OpenSweep:
         if self.session is not None:  # a resume that records something: when and where
             _append(self.f, {"session": self.session})
             self.session = None
-        now = task_code_hash(self.task)
+        now = task_code_ast_hash(self.task)
         if now != self.code:
             raise ResultsFileError(
-                f"{self.path}: the library's code changed during the sweep (file "
-                f"{self.code[:12]}, now {now[:12]}); its run was not recorded. Start a new file "
-                "or pass restart=True."
+                f"{self.path}: the library's code changed during the sweep (AST hash "
+                f"{self.code[:12]} at its start, now {now[:12]}); its run was not recorded. "
+                "Start a new file or pass restart=True."
             )
         _append(self.f, line)
 
@@ -502,11 +592,13 @@ class _OpenSweep:
 
 
 def _check_same_sweep(
-    path: Path, old: dict, new: dict, vouched: Iterable[str] = ()
+    path: Path, old: dict, new: dict, hashes: Iterable[str] = (), ast_hashes: Iterable[str] = ()
 ) -> list[dict]:
     """Refuse to extend ``path`` with another task or seeds than its header's, with a grid that
-    drops any of its points, or with code that neither recorded it nor reproduced it (a
-    :func:`verify` of ``vouched`` code). Returns the grid points ``new`` adds (a grown grid)."""
+    drops any of its points, or with code that vouches for none of it: whose hash is not among
+    ``hashes`` (the code that recorded it and any that reproduced it, :func:`verify`), nor its
+    AST hash among ``ast_hashes`` (:func:`_vouching`). Returns the grid points ``new`` adds (a
+    grown grid)."""
     if old.get("format") != FORMAT:
         raise ResultsFileError(f"{path}: not a {FORMAT} file; pass restart=True to replace it")
     for key in ("task", "seeds"):
@@ -522,7 +614,8 @@ def _check_same_sweep(
             f"{path} holds another sweep (grid differs: the file has {len(dropped)} point(s) "
             f"the asked grid lacks, e.g. {dropped[0]!r}); write a new file or pass restart=True"
         )
-    if new["code"]["hash"] not in {old["code"]["hash"], *vouched}:
+    if (new["code"]["hash"] not in {old["code"]["hash"], *hashes}
+            and new["code"].get("ast_hash") not in set(ast_hashes)):
         raise ResultsFileError(
             f"{path} was started by other code: code hash {old['code']['hash']} in the file, "
             f"{new['code']['hash']} now, which has not reproduced it. Its records cannot be "
@@ -575,11 +668,32 @@ def verifications(path: str | Path) -> list[dict]:
     return [line["verified"] for line in lines[1:] if "verified" in line]
 
 
+def _vouching(lines: list[dict]) -> tuple[set[str], set[str]]:
+    """The code that vouches for a file of these lines, as ``(hashes, ast_hashes)``: the
+    header's code, which recorded it, and each verification's (:func:`verify`), by both of their
+    hashes where they have both; and the AST hash of each ``rehashed`` line (:func:`rehash`)
+    whose ``from`` is among those hashes."""
+    codes = [lines[0]["code"]] + [line["verified"]["code"] for line in lines[1:]
+                                  if "verified" in line]
+    hashes = {code["hash"] for code in codes}
+    ast_hashes = {code["ast_hash"] for code in codes if code.get("ast_hash")}
+    ast_hashes |= {line["rehashed"]["ast_hash"] for line in lines[1:]
+                   if "rehashed" in line and line["rehashed"]["from"] in hashes}
+    return hashes, ast_hashes
+
+
 def code_hashes(path: str | Path) -> set[str]:
     """Every code hash that vouches for a results file: the header's, which recorded it, and
     each of its verifications'."""
     lines, _ = _read_lines(Path(path))
-    return {lines[0]["code"]["hash"]} | {v["code"]["hash"] for v in verifications(path)}
+    return _vouching(lines)[0]
+
+
+def ast_hashes(path: str | Path) -> set[str]:
+    """Every AST hash (:func:`code_ast_hash`) that vouches for a results file: those its header
+    and verifications recorded, and those :func:`rehash` derived from their code hashes."""
+    lines, _ = _read_lines(Path(path))
+    return _vouching(lines)[1]
 
 
 def verify(
@@ -631,3 +745,151 @@ def verify(
         _lock(f)
         _append(f, line)
     return line["verified"]
+
+
+# ----------------------------------------------------------------------------------------------
+# rehash: the AST hash of a file recorded before it existed, from the recorded commit's sources
+
+# a commit as git names it (and nothing a command line would read as an option)
+_COMMIT = re.compile(r"[0-9a-f]{7,40}")
+
+
+class CommitSources:
+    """The package's source files as of git commits, each commit's extracted once (``git
+    archive``) into a temporary folder, and the code hashes computed there, kept.
+
+    ``package_dir``: the package in a git working tree (the library's own by default); the
+    extracted copies sit at the same place under the temporary folder. Use it as a context
+    manager (the folder is removed on exit)."""
+
+    def __init__(self, package_dir: Path = PACKAGE_DIR) -> None:
+        self.package_dir = Path(package_dir).resolve()
+        top = _git("rev-parse", "--show-toplevel", cwd=self.package_dir)
+        self.top = None if top is None else Path(top).resolve()
+        self._tmp = tempfile.TemporaryDirectory(prefix="gpt2kimi-rehash-")
+        self._trees: dict[str, Path | None] = {}
+        self._hashes: dict[tuple, str | None] = {}
+
+    def __enter__(self) -> CommitSources:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._tmp.cleanup()
+
+    def history(self) -> list[str]:
+        """The commits of HEAD's history, newest first (none outside git)."""
+        out = None if self.top is None else _git("rev-list", "HEAD", cwd=self.top)
+        return out.split() if out else []
+
+    def package_at(self, commit: str) -> Path | None:
+        """The package's folder as of ``commit``, extracted; None if git does not know the
+        commit or it has no such folder."""
+        if commit not in self._trees:
+            self._trees[commit] = self._extract(commit)
+        return self._trees[commit]
+
+    def _extract(self, commit: str) -> Path | None:
+        if self.top is None or not _COMMIT.fullmatch(commit):
+            return None
+        inside = self.package_dir.relative_to(self.top).as_posix()
+        try:
+            out = subprocess.run(["git", "archive", "--format=tar", commit, "--", inside],
+                                 cwd=self.top, capture_output=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if out.returncode != 0:
+            return None
+        into = Path(self._tmp.name) / commit
+        with tarfile.open(fileobj=io.BytesIO(out.stdout)) as tar:
+            # the "data" filter (where this Python has it) refuses links and paths outside
+            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            tar.extractall(into, **safe)
+        package = into / inside
+        return package if package.is_dir() else None
+
+    def hash_at(self, commit: str, code: dict) -> str | None:
+        """:func:`code_hash` of ``code``'s modules as of ``commit`` (None: no such commit)."""
+        key = (commit, tuple(code["modules"]), tuple(code["shallow"]))
+        if key not in self._hashes:
+            package = self.package_at(commit)
+            self._hashes[key] = None if package is None else code_hash(
+                package, code["modules"], code["shallow"])
+        return self._hashes[key]
+
+    def find(self, code: dict) -> str | None:
+        """A commit whose sources give ``code``'s recorded hash: its own commit if they do, else
+        the newest such commit of HEAD's history (a recording with uncommitted edits, or at a
+        commit since rewritten, whose sources a later commit holds); None if none does.
+
+        Equal hashes are equal bytes (sha256), so which commit holds them does not matter."""
+        candidates = [code["commit"]] if code.get("commit") else []
+        for commit in dict.fromkeys(candidates + self.history()):
+            if self.hash_at(commit, code) == code["hash"]:
+                return commit
+            self._drop(commit)  # its hash is kept; a full history on disk would be large
+        return None
+
+    def _drop(self, commit: str) -> None:
+        """Remove ``commit``'s extracted copy (:meth:`package_at` extracts it again if asked)."""
+        if self._trees.pop(commit, None) is not None:
+            shutil.rmtree(Path(self._tmp.name) / commit, ignore_errors=True)
+
+
+def rehash(
+    path: str | Path,
+    sources: CommitSources | None = None,
+    log: Callable[[str], None] | None = None,
+) -> list[dict]:
+    """Give the results file ``path`` the AST hashes (:func:`code_ast_hash`) of the code that
+    vouches for it, where it lacks them (a file recorded before they existed).
+
+    For each code hash of its header and verifications without an AST hash (none from an
+    earlier rehash either), the sources that produced it are found in git
+    (:meth:`CommitSources.find`: the recorded commit first). Only when those sources give
+    exactly the recorded hash is their AST hash computed and a line appended::
+
+        {"rehashed": {"from": HASH, "ast_hash": ..., "commit": where the sources were found,
+                      "recorded_commit": ..., "python": ..., "time": ...}}
+
+    so that it vouches for the file as ``HASH`` does. Where no commit's sources give the hash
+    (uncommitted edits never committed, history lost), nothing is written and ``log`` says so.
+    Nothing is trained. Returns the lines' contents."""
+    path, say = Path(path), log or (lambda text: None)
+    with path.open("ab") as f, (
+        CommitSources() if sources is None else nullcontext(sources)
+    ) as found:
+        _lock(f)  # no sweep appends meanwhile
+        lines, good_end = _read_lines(path)
+        if good_end != path.stat().st_size:
+            raise ResultsFileError(f"{path}: its last line is cut short; resume its sweep "
+                                   "(run) first")
+        return _rehash_lines(path, f, lines, found, say)
+
+
+def _rehash_lines(
+    path: Path, f: BinaryIO, lines: list[dict], found: CommitSources, say: Callable[[str], None]
+) -> list[dict]:
+    """:func:`rehash` of the file ``path`` of these ``lines``, open and locked as ``f``."""
+    codes = [lines[0]["code"]] + [line["verified"]["code"] for line in lines[1:]
+                                  if "verified" in line]
+    done = {line["rehashed"]["from"] for line in lines[1:] if "rehashed" in line}
+    todo = {code["hash"]: code for code in codes
+            if not code.get("ast_hash") and code["hash"] not in done}
+    added = []
+    for raw, code in todo.items():
+        recorded = f"{raw[:12]} (recorded at {str(code.get('commit'))[:12]}" + (
+            ", uncommitted edits)" if code.get("dirty") else ")")
+        commit = found.find(code)
+        package = None if commit is None else found.package_at(commit)
+        if commit is None or package is None:
+            say(f"{path.name}: {recorded}: no commit's sources give this hash; nothing written")
+            continue
+        ast_hash = code_ast_hash(package, code["modules"], code["shallow"])
+        line = {"rehashed": {"from": raw, "ast_hash": ast_hash, "commit": commit,
+                             "recorded_commit": code.get("commit"),
+                             "python": platform.python_version(), "time": _now()}}
+        _append(f, line)
+        added.append(line["rehashed"])
+        say(f"{path.name}: {recorded}: sources found at {commit[:12]}; AST hash "
+            f"{ast_hash[:12]}")
+    return added

@@ -28,6 +28,11 @@ batch; the only loop runs over the ``seq_len // 2`` events.
 **Sliding-window recall** (:class:`WindowRecallConfig`, :func:`window_recall_sweep`): a stream
 of many more facts than a memory has key directions, whose queries ask only about the latest
 few (chapter 5's task that needs forgetting).
+
+The book's results files run one run at a time, :func:`run_rewrite` and
+:func:`run_window_recall` as the ``rewrite`` and ``window`` tasks of
+:mod:`gpt2kimi.experiments.tasks`, recorded by ``python -m gpt2kimi.experiments run NAME``; no
+command calls the two sweeps any more.
 """
 
 from __future__ import annotations

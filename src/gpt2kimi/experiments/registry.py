@@ -8,8 +8,8 @@ module mapping ``[B, T, C] → [B, T, C]``.
 ``build_model("linear", config)`` builds the shared :class:`~gpt2kimi.backbone.LanguageModel`
 with that mixer in every layer; ``build_model(["kda", "kda", "kda", "mla"], config)`` builds a
 hybrid. :func:`mqar_model_config` is the backbone of the recall experiments
-(:func:`gpt2kimi.experiments.mqar.run_mqar` and :func:`~gpt2kimi.experiments.mqar.mqar_sweep`
-train such models on MQAR).
+(:func:`gpt2kimi.experiments.mqar.run_mqar` trains such models on MQAR, the ``mqar`` task of
+:mod:`gpt2kimi.experiments.tasks` that ``python -m gpt2kimi.experiments run NAME`` records).
 """
 
 from __future__ import annotations

@@ -6,14 +6,11 @@ the grid and seeds, a one-line description, the chapters that read it, the estim
 on two cores and its command line, ``python -m gpt2kimi.experiments run NAME``, which runs or
 resumes the sweep through :func:`gpt2kimi.experiments.pipeline.sweep` into ``NAME.jsonl``.
 
-A file written by the older per-experiment commands (a single JSON file without a code hash)
-can be registered as an entry's ``legacy_path``, with the command that wrote it, so that
-``check`` reports it stale until it is re-recorded; no file of the book is one today. An entry
-the pipeline cannot express would be marked ``legacy=True`` and run only by its legacy command.
-
-:func:`entry_status` says whether an entry's file is current (same task, grid, seeds, code hash
-as today, every run present); :func:`check_files` does it for every file of a data folder, as
-``python -m gpt2kimi.experiments check`` does.
+:func:`entry_status` says whether an entry's file is current (same task, grid, seeds, code as
+today's, every run present); :func:`check_files` does it for every file of a data folder, as
+``python -m gpt2kimi.experiments check`` does. The code is today's when its hash vouches for
+the file, or its AST hash does (the same code, docstrings and comments aside:
+:func:`gpt2kimi.experiments.pipeline.code_ast_hash`).
 """
 
 from __future__ import annotations
@@ -26,12 +23,15 @@ from gpt2kimi.experiments import moe_train
 from gpt2kimi.experiments.pipeline import (
     FORMAT,
     PACKAGE_DIR,
+    ResultsFileError,
     added_points,
+    ast_hashes,
     code_hashes,
     expand_grid,
     missing_runs,
     read_results,
     same_grid,
+    task_code_ast_hash,
     task_code_hash,
 )
 from gpt2kimi.experiments.tasks import get_task
@@ -45,9 +45,7 @@ class ResultsEntry:
 
     ``grid``: a dict of lists (their product) or a list of settings dicts, settings the entry
     does not give at the task's defaults; ``minutes``: the estimated wall-clock time on two
-    cores (two single-threaded runs at once), as measured for today's file; ``legacy_path``,
-    ``legacy_part``, ``legacy_command``: the file the book reads today (``legacy_part``: the
-    key of that file holding this sweep, e.g. ``"live"``) and the command that wrote it.
+    cores (two single-threaded runs at once), as measured for today's file.
     """
 
     name: str
@@ -57,10 +55,6 @@ class ResultsEntry:
     description: str
     chapters: str
     minutes: float
-    legacy_command: str | None = None
-    legacy_path: str | None = None
-    legacy_part: str | None = None
-    legacy: bool = False
 
     @property
     def path(self) -> str:
@@ -70,8 +64,6 @@ class ResultsEntry:
     @property
     def command(self) -> str:
         """The command line that (re-)records the file."""
-        if self.legacy:
-            return str(self.legacy_command)
         return f"python -m gpt2kimi.experiments run {self.name}"
 
     def settings_grid(self) -> list[dict]:
@@ -82,7 +74,6 @@ class ResultsEntry:
     def runs(self) -> list[tuple[dict, int]]:
         """Every (full settings, seed) run of the file."""
         return [(s, seed) for s in self.settings_grid() for seed in self.seeds]
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -99,10 +90,11 @@ LOW_LRS = [2e-4, 5e-4]
 HIGH_LRS = [2e-2, 5e-2]
 HEAD_DIMS = [4, 32]  # a fixed memory of head_dim × head_dim per head; 32 = d_model / n_head
 DELTA_RULES = ["deltanet", "gated_deltanet", "kda"]
-# stale bindings: 4 keys (as many as a shrunk memory has directions) written about 49 times in
-# 128 tokens, 12x what a 4-wide memory holds; batches of 16 streams, so that a step trains on
-# 2,048 tokens, as MQAR's 64 streams of 32 do
-STALE = dict(num_keys=4, seq_len=128, query_prob=0.25, train_batch_size=16)
+# stale bindings: 4 keys (as many as a shrunk memory has directions) written about 25 times in
+# 64 tokens, 6x what a 4-wide memory holds; then about 49 times in 128 tokens, 12x, in batches
+# of 16 streams, so that a step trains on the same 2,048 tokens
+STALE = dict(num_keys=4, seq_len=64, query_prob=0.25, train_batch_size=32)
+STALE_LONG = {**STALE, "seq_len": 128, "train_batch_size": 16}
 
 
 def _points(**axes) -> list[dict]:
@@ -111,6 +103,19 @@ def _points(**axes) -> list[dict]:
 
 def _options(mixers: list[str], head_dim: int) -> list[dict]:
     return [{"mixer": m, "mixer_options": {m: {"head_dim": head_dim}}} for m in mixers]
+
+
+def _stale_grid(task: dict) -> list[dict]:
+    """The stale-bindings grid: softmax attention and every fixed memory (4 x 4 per head), with
+    and without a forget gate, at 4 rates, and two more beyond the end where the 6x run's best
+    rate sat at an end."""
+    fixed = ["linear", "gated_linear", "deltanet", "gated_deltanet", "kda", "kda_no_forget"]
+    return (_points(mixer="softmax", **task, train_lr=LRS)
+            + [{**m, **p} for m in _options(fixed, 4) for p in _points(**task, train_lr=LRS)]
+            + [{**m, **p} for m in _options(["linear", "gated_linear"], 4)
+               for p in _points(**task, train_lr=LOW_LRS)]
+            + [{**m, **p} for m in _options(["deltanet", "kda", "kda_no_forget"], 4)
+               for p in _points(**task, train_lr=HIGH_LRS)])
 
 
 ENTRIES: list[ResultsEntry] = [
@@ -181,19 +186,14 @@ ENTRIES: list[ResultsEntry] = [
         SEEDS, "the bounds of capacity_hybrid: 4 layers of KDA at full width (head_dim 32) and "
         "of MLA, at 8 pairs, each at 4 learning rates", "8", 60),
     ResultsEntry(
-        "forget_stale", "rewrite",
-        _points(mixer="softmax", **STALE, train_lr=LRS)
-        + [{**m, **p} for m in _options(
-            ["linear", "gated_linear", "deltanet", "gated_deltanet", "kda", "kda_no_forget"], 4)
-           for p in _points(**STALE, train_lr=LRS)]
-        # where the best rate sat at an end of LRS: two more rates beyond that end
-        + [{**m, **p} for m in _options(["linear", "gated_linear"], 4)
-           for p in _points(**STALE, train_lr=LOW_LRS)]
-        + [{**m, **p} for m in _options(["deltanet", "kda", "kda_no_forget"], 4)
-           for p in _points(**STALE, train_lr=HIGH_LRS)],
-        SEEDS, "stale bindings: 4 keys rewritten again and again in 128 tokens (about 49 "
-        "writes, 12x a 4-wide memory), with and without forget gates, each at 4 to 6 learning "
-        "rates", "5", 65),
+        "forget_stale", "rewrite", _stale_grid(STALE),
+        SEEDS, "stale bindings: 4 keys rewritten again and again in 64 tokens (about 25 "
+        "writes, 6x a 4-wide memory), with and without forget gates, each at 4 to 6 learning "
+        "rates", "5", 60),
+    ResultsEntry(
+        "forget_stale_long", "rewrite", _stale_grid(STALE_LONG),
+        SEEDS, "stale bindings over streams twice as long: 128 tokens, about 49 writes, 12x a "
+        "4-wide memory; the mixers and rates of forget_stale", "5", 65),
 ]
 # byte-level language models (chapters 7 and 8): 1,500 steps, three seeds, the whole validation
 # split in fixed windows, four rates over a 10x range (evenly spaced in log; a 300-step pilot
@@ -250,15 +250,24 @@ def default_data_dir() -> Path:
 # is a file current?
 
 
-def file_status(entry: ResultsEntry, path: Path, today: str | None = None) -> str:
+def file_status(
+    entry: ResultsEntry, path: Path, today: str | None = None, today_ast: str | None = None
+) -> str:
     """``"current"`` or why the pipeline file ``path`` of ``entry`` is stale: another task,
-    grid or seeds than the registry's, code that neither recorded it nor reproduced it (today's
-    :func:`~gpt2kimi.experiments.pipeline.task_code_hash` of the entry's task, or ``today``,
-    is not among :func:`~gpt2kimi.experiments.pipeline.code_hashes`: the header's and each
-    :func:`~gpt2kimi.experiments.pipeline.verify`'s), or runs still missing."""
-    today = task_code_hash(get_task(entry.task)) if today is None else today
-    header, _ = read_results(path)
-    if header.get("format") != FORMAT:
+    grid or seeds than the registry's, code that vouches for none of it, or runs still missing.
+
+    Today's code vouches for the file when its hash (``today``, by default the entry's task's
+    :func:`~gpt2kimi.experiments.pipeline.task_code_hash`) is among
+    :func:`~gpt2kimi.experiments.pipeline.code_hashes` (the header's and each
+    :func:`~gpt2kimi.experiments.pipeline.verify`'s), or its AST hash (``today_ast``, by default
+    :func:`~gpt2kimi.experiments.pipeline.task_code_ast_hash` unless ``today`` is given) among
+    :func:`~gpt2kimi.experiments.pipeline.ast_hashes`."""
+    task = get_task(entry.task)
+    compute_ast = today is None and today_ast is None
+    today = task_code_hash(task) if today is None else today
+    try:
+        header, _ = read_results(path)
+    except ResultsFileError:
         return f"stale: not a {FORMAT} file"
     if header["task"] != entry.task:
         return f"stale: task {header['task']!r}, registry {entry.task!r}"
@@ -271,9 +280,15 @@ def file_status(entry: ResultsEntry, path: Path, today: str | None = None) -> st
     if header["seeds"] != list(entry.seeds):
         return f"stale: seeds {header['seeds']}, registry {list(entry.seeds)}"
     if today not in code_hashes(path):
-        return (f"stale: recorded by code {header['code']['hash'][:12]}, today's is "
-                f"{today[:12]} (record it again, or `verify` it if today's code should "
-                "reproduce it)")
+        if compute_ast:  # only now: parsing every source file takes a while
+            today_ast = task_code_ast_hash(task)
+        vouching = ast_hashes(path)
+        if today_ast is None or today_ast not in vouching:
+            # a file of before AST hashes may only differ from today's code in docstrings
+            hint = "" if vouching else f"; `rehash {entry.name}` first: it has no AST hash"
+            return (f"stale: recorded by code {header['code']['hash'][:12]}, today's is "
+                    f"{today[:12]} (record it again, or `verify` it if today's code should "
+                    f"reproduce it{hint})")
     missing = len(missing_runs(path))
     if not same_grid(header["grid"], registered):
         missing += grown * len(entry.seeds)
@@ -284,76 +299,34 @@ def file_status(entry: ResultsEntry, path: Path, today: str | None = None) -> st
     return "current"
 
 
-def entry_status(entry: ResultsEntry, data_dir: Path, today: str | None = None) -> str:
-    """The status of ``entry`` in ``data_dir``: its pipeline file's (:func:`file_status`), or
-    ``"stale: legacy file ..."`` when only today's older file exists, or ``"missing"``."""
+def entry_status(
+    entry: ResultsEntry, data_dir: Path, today: str | None = None, today_ast: str | None = None
+) -> str:
+    """The status of ``entry`` in ``data_dir``: its file's (:func:`file_status`), or
+    ``"missing"``."""
     path = data_dir / entry.path
-    if path.exists():
-        return file_status(entry, path, today)
-    if entry.legacy_path and (data_dir / entry.legacy_path).exists():
-        part = f" (its {entry.legacy_part!r} part)" if entry.legacy_part else ""
-        return f"stale: legacy file {entry.legacy_path}{part}, older code, no code hash"
-    return "missing"
+    return file_status(entry, path, today, today_ast) if path.exists() else "missing"
 
 
 def check_files(
-    data_dir: Path, registry: dict[str, ResultsEntry] | None = None, today: str | None = None
+    data_dir: Path,
+    registry: dict[str, ResultsEntry] | None = None,
+    today: str | None = None,
+    today_ast: str | None = None,
 ) -> list[tuple[str, str]]:
     """``(file, status)`` for every ``*.json`` and ``*.jsonl`` file in ``data_dir`` and every
     registered file missing there; ``status`` is ``"current"`` only for a pipeline file whose
-    task, grid, seeds and code hash equal the registry's and today's, with every run present.
-    A file no entry names is ``"unregistered"``; a legacy file is stale."""
+    task, grid and seeds equal the registry's, vouched for by today's code (:func:`file_status`),
+    with every run present. A file no entry names is ``"unregistered"``."""
     registry = REGISTRY if registry is None else registry
     by_path = {entry.path: entry for entry in registry.values()}
-    by_legacy: dict[str, list[str]] = {}
-    for entry in registry.values():
-        if entry.legacy_path:
-            by_legacy.setdefault(entry.legacy_path, []).append(entry.name)
     rows = []
     files = sorted([*data_dir.glob("*.json"), *data_dir.glob("*.jsonl")])
     for path in files:
         if path.name in by_path:
-            rows.append((path.name, file_status(by_path[path.name], path, today)))
-        elif path.name in by_legacy:
-            names = " ".join(by_legacy[path.name])
-            rows.append((path.name, "stale: legacy file recorded by older code without a code "
-                                    f"hash; re-record it with: run {names}"))
+            rows.append((path.name, file_status(by_path[path.name], path, today, today_ast)))
         else:
             rows.append((path.name, "unregistered: no entry of the registry names it"))
     present = {path.name for path in files}
-    for entry in registry.values():
-        if entry.path not in present and entry.legacy_path not in present:
-            rows.append((entry.path, "missing"))
+    rows += [(entry.path, "missing") for entry in registry.values() if entry.path not in present]
     return rows
-
-
-def legacy_differences(entry: ResultsEntry, data_dir: Path) -> list[str]:
-    """How ``entry``'s legacy file differs from the registry (empty: registered faithfully).
-
-    Compares every scalar setting the file records that the task also takes, and the runs:
-    each record's task settings (``mixer``, ``num_pairs``, ...) and seed against the registry's
-    runs, as multisets.
-    """
-    header, records = read_results(data_dir / str(entry.legacy_path))
-    if entry.legacy_part:
-        header, records = header[entry.legacy_part], header[entry.legacy_part]["results"]
-    # the file's settings, with those of its model (if it records one) beside them
-    settings = {**header.get("settings", {}).get("model", {}), **header["settings"]}
-    task, runs = get_task(entry.task), entry.runs()
-    differences = []
-    for key, value in settings.items():
-        if key in task.defaults and not isinstance(value, (list, dict)):
-            registered = sorted({s[key] for s, _ in runs}, key=repr)
-            if registered != [value]:
-                differences.append(f"{key}: file {value!r}, registry {registered}")
-    keys = [k for k in task.defaults if records and k in records[0]]
-
-    def run(values: dict, seed: int) -> tuple:
-        return (*(repr(values[k]) for k in keys), seed)
-
-    in_file = sorted(run(r, r.get("seed", settings.get("seed"))) for r in records)
-    in_registry = sorted(run(s, seed) for s, seed in runs)
-    if in_file != in_registry:
-        differences.append(f"runs ({', '.join(keys)}, seed): file {in_file}, "
-                           f"registry {in_registry}")
-    return differences
