@@ -1,0 +1,109 @@
+"""Every speed claim of the book against its reference, in one run: the library's figure, the
+reference's, their ratio and the target the library aims for.
+
+``python -m gpt2kimi.bench summary [--rounds 3] [--quick]``
+
+Rows (each measured side by side in interleaved rounds, on the same weights):
+
+- MoE forward against ``transformers``' eager ``KimiLinearMoE`` (4,096 tokens, d 256, 64
+  experts of 128, top-8, one shared), :func:`gpt2kimi.experiments.moe_speed.moe_speed`;
+- the tiny hybrid's greedy generation against ``transformers``' ``KimiLinearForCausalLM``
+  (a 256-token prompt included), :func:`gpt2kimi.experiments.hybrid_speed.against_transformers`;
+- GPT-2 small's cached greedy decode against ``transformers``' ``generate``, and its tokens
+  per second against the decode roofline measured in the same run,
+  :func:`gpt2kimi.experiments.reference_speed.gpt2_decode`;
+- the hybrid's decode against the same model with MLA in every layer (batch 8, caches filled
+  to 1K and 16K tokens), :func:`gpt2kimi.experiments.hybrid_speed.decode_sweep`;
+- a training step of a 4-layer, 128-wide byte GPT-2 (batch 32, 256 tokens) against
+  ``transformers``' GPT-2, :func:`gpt2kimi.experiments.reference_speed.gpt2_train_step`.
+
+``--quick`` shrinks every row (fewer tokens, shorter contexts) to check that the command runs;
+its figures are not the table's. Timings depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from gpt2kimi.experiments.hybrid_speed import against_transformers, decode_sweep
+from gpt2kimi.experiments.moe_speed import moe_speed
+from gpt2kimi.experiments.reference_speed import gpt2_decode, gpt2_train_step
+
+
+@dataclass(frozen=True)
+class Row:
+    """One benchmark: the library's figure against the reference's (``ratio``: how many times
+    better the library is, above 1 when ahead) and the target ratio."""
+
+    name: str
+    ours: str
+    reference: str
+    ratio: float
+    target: float
+
+    @property
+    def met(self) -> bool:
+        return self.ratio >= self.target
+
+
+def rows(rounds: int = 3, quick: bool = False) -> list[Row]:
+    """Measure every row (``quick``: small sizes that only check the plumbing)."""
+    out = []
+    moe = moe_speed(tokens=256 if quick else 4096, d_model=256, rounds=rounds)
+    if "transformers" in moe["seconds"]:
+        s = moe["seconds"]
+        out.append(Row("MoE forward vs transformers KimiLinearMoE (eager)",
+                       f"{s['moe'] * 1e3:.1f} ms", f"{s['transformers'] * 1e3:.1f} ms",
+                       s["transformers"] / s["moe"], 2.0))
+    gen = against_transformers(prompt_len=32 if quick else 256, new_tokens=8 if quick else 32,
+                               rounds=rounds)
+    out.append(Row("hybrid generate vs transformers KimiLinearForCausalLM",
+                   f"{gen['ours_s'] * 1e3:.0f} ms", f"{gen['transformers_s'] * 1e3:.0f} ms",
+                   gen["transformers_s"] / gen["ours_s"], 3.0))
+    dec = gpt2_decode(new_tokens=8 if quick else 64, rounds=rounds)
+    if not (gen["same_tokens"] and dec["same_tokens"]):
+        raise RuntimeError("the library and transformers generated different tokens")
+    out.append(Row("GPT-2 small cached greedy decode vs transformers generate",
+                   f"{dec['ours_s'] * 1e3:.0f} ms", f"{dec['transformers_s'] * 1e3:.0f} ms",
+                   dec["transformers_s"] / dec["ours_s"], 1.1))
+    out.append(Row("GPT-2 small decode vs its roofline (weights + cache at copy bandwidth)",
+                   f"{dec['tokens_per_s']:.1f} tok/s", f"{dec['roof_tokens_per_s']:.1f} tok/s",
+                   dec["roof_fraction"], 0.85))
+    contexts = [256, 1024] if quick else [1024, 16384]
+    sweep = decode_sweep(contexts, batch=8, repeats=rounds)
+    rates = sweep["tokens_per_s"]
+    for i, (context, target) in enumerate(zip(contexts, (1.0, 3.0), strict=True)):
+        out.append(Row(f"hybrid decode vs all-MLA, batch 8, {context} cached tokens",
+                       f"{rates['hybrid'][i]:.0f} tok/s", f"{rates['all-MLA'][i]:.0f} tok/s",
+                       sweep["hybrid_vs_mla"][i], target))
+    step = gpt2_train_step(batch_size=4 if quick else 32, rounds=rounds)
+    if step["loss_diff"] > 1e-4:
+        raise RuntimeError(f"the two GPT-2s' losses differ by {step['loss_diff']:.1e}")
+    out.append(Row("training step, 4-layer 128-wide byte GPT-2 vs transformers GPT-2",
+                   f"{step['ours_s'] * 1e3:.0f} ms", f"{step['transformers_s'] * 1e3:.0f} ms",
+                   step["transformers_s"] / step["ours_s"], 1.2))
+    return out
+
+
+def format_rows(table: list[Row]) -> str:
+    width = max(len(r.name) for r in table)
+    lines = [f"{'benchmark':<{width}}  {'ours':>12}  {'reference':>12}  {'ratio':>6}  "
+             f"{'target':>6}  met"]
+    for r in table:
+        lines.append(f"{r.name:<{width}}  {r.ours:>12}  {r.reference:>12}  {r.ratio:>5.2f}x  "
+                     f"{r.target:>5.2f}x  {'yes' if r.met else 'no'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="python -m gpt2kimi.bench summary",
+                                description=__doc__.strip().splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="small sizes: check that it runs")
+    args = p.parse_args(argv)
+    print(f"fp32, {torch.get_num_threads()} thread(s), fastest of {args.rounds} interleaved "
+          "rounds; ratio: the reference's time over ours (ours / roof for the roofline row)")
+    print(format_rows(rows(args.rounds, args.quick)))

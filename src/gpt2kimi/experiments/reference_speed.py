@@ -1,0 +1,125 @@
+"""The library against its references, side by side on the same weights: GPT-2's cached decode
+against ``transformers``' ``GPT2LMHeadModel.generate`` and against the decode roofline, and a
+GPT-2 training step against ``transformers``' GPT-2 doing the same step.
+
+Every comparison builds both models from one set of weights, checks that they compute the same
+thing (the same greedy tokens; the same loss), and times them in interleaved rounds
+(:func:`gpt2kimi.timing.fastest_interleaved`), so a slow phase of the machine slows both alike.
+``python -m gpt2kimi.bench summary`` prints them beside the other benchmarks.
+
+``transformers`` stands in for nanoGPT's ``model.py`` in the training step: both are the GPT-2
+of Radford et al. in eager PyTorch with fused attention, and nanoGPT is not a package one can
+install.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gpt2kimi.attention import GPT2WithCache
+from gpt2kimi.gpt2 import GPT2, GPT2Config
+from gpt2kimi.kv_cache import generate
+from gpt2kimi.roofline import copy_bandwidth
+from gpt2kimi.timing import fastest_interleaved, timed
+from gpt2kimi.train import TrainConfig, configure_optimizer
+
+
+def _hf_loss(hf: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The loss of ``GPT2.forward(x, y)`` computed from ``transformers``' logits (its own
+    ``labels=`` shifts the inputs instead of taking separate targets)."""
+    return F.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten())
+
+
+def _hf_gpt2(config: GPT2Config, seed: int = 0):
+    """``transformers``' GPT2LMHeadModel with ``config``'s shape and fresh seeded weights."""
+    from transformers import GPT2Config as HFConfig
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    hf_config = HFConfig(vocab_size=config.vocab_size, n_positions=config.block_size,
+                         n_embd=config.n_embd, n_layer=config.n_layer, n_head=config.n_head,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                         bos_token_id=config.vocab_size - 1, eos_token_id=config.vocab_size - 1,
+                         attn_implementation="sdpa")
+    return GPT2LMHeadModel(hf_config)
+
+
+@torch.no_grad()
+def gpt2_decode(
+    config: GPT2Config | None = None, prompt_len: int = 8, new_tokens: int = 64,
+    rounds: int = 3,
+) -> dict:
+    """Greedy generation of ``new_tokens`` after a ``prompt_len``-token prompt, batch 1, with
+    this library's cache (:func:`gpt2kimi.kv_cache.generate` on :class:`GPT2WithCache`) and with
+    ``transformers``' ``generate`` (its KV cache), on the same GPT-2 weights (small by default).
+
+    Returns ``{"ours_s", "transformers_s", "same_tokens", "tokens_per_s", "roof_tokens_per_s",
+    "roof_fraction", "bandwidth"}``: the roof is the decode roofline measured in the same run,
+    a step that only moves the weights and the cache it reads at the machine's copy bandwidth
+    (:func:`gpt2kimi.roofline.copy_bandwidth`); ``tokens_per_s`` counts the decode steps after
+    the prompt, each step's time being the whole generation's over ``new_tokens``.
+    """
+    config = GPT2Config() if config is None else config
+    hf = _hf_gpt2(config).eval()
+    ours = GPT2WithCache.from_gpt2(GPT2.from_hf_state_dict(hf.state_dict(), config)).eval()
+    prompt = torch.randint(0, config.vocab_size, (1, prompt_len),
+                           generator=torch.Generator().manual_seed(1))
+
+    def run_ours() -> torch.Tensor:
+        return generate(ours, prompt, new_tokens)
+
+    def run_theirs() -> torch.Tensor:
+        return hf.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    same = torch.equal(run_ours(), run_theirs())
+    best = fastest_interleaved({"ours": timed(run_ours), "theirs": timed(run_theirs)}, rounds)
+    weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
+    # the cache a step reads, on average over the steps: keys and values of every layer
+    mean_cached = prompt_len + new_tokens / 2
+    cache_bytes = 2 * config.n_layer * config.n_embd * 4 * mean_cached
+    bandwidth = copy_bandwidth()
+    roof = bandwidth / (weight_bytes + cache_bytes)
+    rate = new_tokens / best["ours"]
+    return {"ours_s": best["ours"], "transformers_s": best["theirs"], "same_tokens": same,
+            "tokens_per_s": rate, "roof_tokens_per_s": roof, "roof_fraction": rate / roof,
+            "bandwidth": bandwidth, "prompt_len": prompt_len, "new_tokens": new_tokens}
+
+
+def gpt2_train_step(
+    config: GPT2Config | None = None, batch_size: int = 32, rounds: int = 3, steps: int = 2,
+) -> dict:
+    """``steps`` training steps (forward, backward, AdamW) of the same byte-level GPT-2 (4
+    layers, 128 wide, 256 tokens by default) in this library and in ``transformers``, from the
+    same weights on the same batch; returns ``{"ours_s", "transformers_s", "loss_diff"}``, the
+    seconds per step and the largest difference of the two models' first losses."""
+    config = config or GPT2Config(block_size=256, vocab_size=256, n_layer=4, n_head=4,
+                                  n_embd=128, dropout=0.0)
+    hf = _hf_gpt2(config).train()
+    ours = GPT2.from_hf_state_dict(hf.state_dict(), config).train()
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randint(0, config.vocab_size, (batch_size, config.block_size), generator=generator)
+    y = torch.randint(0, config.vocab_size, (batch_size, config.block_size), generator=generator)
+    cfg = TrainConfig(steps=1, warmup_steps=0)
+    opt_ours, opt_theirs = configure_optimizer(ours, cfg), configure_optimizer(hf, cfg)
+    with torch.no_grad():
+        loss_diff = abs(ours(x, y)[1].item() - _hf_loss(hf, x, y).item())
+
+    def step_ours() -> None:
+        for _ in range(steps):
+            _, loss = ours(x, y)
+            loss.backward()
+            opt_ours.step()
+            opt_ours.zero_grad(set_to_none=True)
+
+    def step_theirs() -> None:
+        for _ in range(steps):
+            loss = _hf_loss(hf, x, y)
+            loss.backward()
+            opt_theirs.step()
+            opt_theirs.zero_grad(set_to_none=True)
+
+    best = fastest_interleaved({"ours": timed(step_ours), "theirs": timed(step_theirs)}, rounds)
+    return {"ours_s": best["ours"] / steps, "transformers_s": best["theirs"] / steps,
+            "loss_diff": loss_diff, "batch_size": batch_size, "block_size": config.block_size}

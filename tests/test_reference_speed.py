@@ -1,0 +1,32 @@
+"""The side-by-side comparisons with transformers compute the same thing on both sides (their
+timings are the benchmark's business, never asserted here)."""
+
+import pytest
+
+from gpt2kimi.bench.summary import Row, format_rows
+from gpt2kimi.gpt2 import GPT2Config
+
+pytest.importorskip("transformers")
+
+from gpt2kimi.experiments.reference_speed import gpt2_decode, gpt2_train_step  # noqa: E402
+
+TINY = GPT2Config(block_size=32, vocab_size=64, n_layer=2, n_head=2, n_embd=32)
+
+
+def test_gpt2_decode_same_tokens_as_transformers():
+    result = gpt2_decode(TINY, prompt_len=4, new_tokens=6, rounds=1)
+    assert result["same_tokens"]
+    assert 0 < result["roof_tokens_per_s"] and result["roof_fraction"] > 0
+
+
+def test_gpt2_train_step_same_loss_as_transformers():
+    result = gpt2_train_step(TINY, batch_size=2, rounds=1, steps=1)
+    assert result["loss_diff"] < 1e-5
+    assert result["ours_s"] > 0 and result["transformers_s"] > 0
+
+
+def test_summary_rows_say_whether_the_target_is_met():
+    table = [Row("a", "1 ms", "2 ms", 2.0, 1.5), Row("b", "1 ms", "1 ms", 1.0, 1.1)]
+    assert [r.met for r in table] == [True, False]
+    text = format_rows(table)
+    assert text.splitlines()[1].endswith("yes") and text.splitlines()[2].endswith("no")
