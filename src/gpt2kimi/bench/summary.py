@@ -72,6 +72,9 @@ def rows(rounds: int = 3, quick: bool = False) -> list[Row]:
     out.append(Row("GPT-2 small decode vs its roofline (weights + cache at copy bandwidth)",
                    f"{dec['tokens_per_s']:.1f} tok/s", f"{dec['roof_tokens_per_s']:.1f} tok/s",
                    dec["roof_fraction"], 0.85))
+    out.append(Row("  the same vs the matrix-vector roof (the weights at F.linear's bandwidth)",
+                   f"{dec['tokens_per_s']:.1f} tok/s", f"{dec['gemv_roof_tokens_per_s']:.1f} tok/s",
+                   dec["gemv_fraction"], 0.85))
     contexts = [256, 1024] if quick else [1024, 16384]
     sweep = decode_sweep(contexts, batch=8, repeats=rounds)
     rates = sweep["tokens_per_s"]

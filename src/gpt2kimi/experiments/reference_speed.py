@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from gpt2kimi.attention import GPT2WithCache
 from gpt2kimi.gpt2 import GPT2, GPT2Config
 from gpt2kimi.kv_cache import generate
-from gpt2kimi.roofline import copy_bandwidth
+from gpt2kimi.roofline import copy_bandwidth, gemv_bandwidth
 from gpt2kimi.timing import fastest_interleaved, timed
 from gpt2kimi.train import TrainConfig, configure_optimizer
 
@@ -55,10 +55,13 @@ def gpt2_decode(
     ``transformers``' ``generate`` (its KV cache), on the same GPT-2 weights (small by default).
 
     Returns ``{"ours_s", "transformers_s", "same_tokens", "tokens_per_s", "roof_tokens_per_s",
-    "roof_fraction", "bandwidth"}``: the roof is the decode roofline measured in the same run,
-    a step that only moves the weights and the cache it reads at the machine's copy bandwidth
-    (:func:`gpt2kimi.roofline.copy_bandwidth`); ``tokens_per_s`` counts the decode steps after
-    the prompt, each step's time being the whole generation's over ``new_tokens``.
+    "roof_fraction", "bandwidth", "gemv_roof_tokens_per_s", "gemv_fraction",
+    "gemv_bandwidth"}``: the roof is the decode roofline measured in the same run, a step that
+    only moves the weights and the cache it reads at the machine's copy bandwidth
+    (:func:`gpt2kimi.roofline.copy_bandwidth`); the ``gemv`` roof moves them at the bandwidth a
+    batch-1 matrix-vector product draws (:func:`gpt2kimi.roofline.gemv_bandwidth`);
+    ``tokens_per_s`` counts the decode steps after the prompt, each step's time being the whole
+    generation's over ``new_tokens``.
     """
     config = GPT2Config() if config is None else config
     hf = _hf_gpt2(config).eval()
@@ -79,12 +82,14 @@ def gpt2_decode(
     # the cache a step reads, on average over the steps: keys and values of every layer
     mean_cached = prompt_len + new_tokens / 2
     cache_bytes = 2 * config.n_layer * config.n_embd * 4 * mean_cached
-    bandwidth = copy_bandwidth()
-    roof = bandwidth / (weight_bytes + cache_bytes)
+    bandwidth, gemv = copy_bandwidth(), gemv_bandwidth(width=config.n_embd)
+    step_bytes = weight_bytes + cache_bytes
     rate = new_tokens / best["ours"]
     return {"ours_s": best["ours"], "transformers_s": best["theirs"], "same_tokens": same,
-            "tokens_per_s": rate, "roof_tokens_per_s": roof, "roof_fraction": rate / roof,
-            "bandwidth": bandwidth, "prompt_len": prompt_len, "new_tokens": new_tokens}
+            "tokens_per_s": rate, "roof_tokens_per_s": bandwidth / step_bytes,
+            "roof_fraction": rate * step_bytes / bandwidth, "bandwidth": bandwidth,
+            "gemv_roof_tokens_per_s": gemv / step_bytes, "gemv_fraction": rate * step_bytes / gemv,
+            "gemv_bandwidth": gemv, "prompt_len": prompt_len, "new_tokens": new_tokens}
 
 
 def gpt2_train_step(
