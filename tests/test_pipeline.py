@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from gpt2kimi.experiments import results
+from gpt2kimi.experiments import __main__ as cli
+from gpt2kimi.experiments import pipeline, results
 from gpt2kimi.experiments.__main__ import main
 from gpt2kimi.experiments.mqar import MQARTraining, run_mqar
 from gpt2kimi.experiments.pipeline import (
     FORMAT,
+    BaselineError,
     CommitSources,
     ResultsFileError,
     VerificationFailed,
@@ -565,3 +567,144 @@ def test_a_rehashed_file_can_grow_and_a_rehash_of_other_code_vouches_for_nothing
     assert missing_runs(out) == [] and len(run_lines(out)) == 2
     entry = ResultsEntry("runs", "mqar", tiny_mqar_grid(), (0,), "a rehashed file", "3", 0.1)
     assert results.file_status(entry, out) == "current"
+
+
+# ----------------------------------------------------------------------------------------------
+# verify against the recorded code: both run here, the recorded code's sources from git
+
+# a stand-in for the package's module of tasks: a "run" trains nothing, in no time
+STAND_IN_TASKS = '''"""A stand-in for gpt2kimi.experiments.tasks."""
+
+SCALE = {scale}
+
+
+class Task:
+    def train_and_score(self, settings, seed):
+        return {{"num_pairs": settings["num_pairs"], "seed": seed,
+                "accuracy": SCALE * settings["num_pairs"] / 10, "seconds": 0.5}}
+
+
+def get_task(name):
+    return Task()
+'''
+
+
+class StandIn:
+    """Today's task, as :func:`verify` sees it: its name and its code's modules."""
+
+    name = "mqar"
+    modules = ("gpt2kimi.experiments.tasks",)
+
+
+@pytest.fixture
+def stand_in(tmp_path, monkeypatch) -> dict:
+    """A throwaway repository whose package, named ``gpt2kimi`` as the library's (so the runs
+    must import it and not the installed one), is today's code (``pipeline.PACKAGE_DIR``); its
+    first commit's code (``SCALE = 2``) recorded a complete two-run file, the recording's commit
+    since rewritten; a second commit is today's code (equivalent: ``SCALE = 1 + 1``)."""
+    repo = tmp_path / "repo"
+    package = repo / "src" / "gpt2kimi"
+    (package / "experiments").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "experiments" / "__init__.py").write_text("")
+    tasks = package / "experiments" / "tasks.py"
+    tasks.write_text(STAND_IN_TASKS.format(scale="2"))
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "the recorded code")
+    first = _git(repo, "rev-parse", "HEAD")
+    monkeypatch.setattr(pipeline, "PACKAGE_DIR", package)
+    code = {"commit": "e" * 40, "dirty": False, "hash": task_code_hash(StandIn),
+            **task_code(StandIn)}  # no AST hash: a file of before them
+    grid = [MQAR.settings(point) for point in tiny_mqar_grid(2)]
+    header = {"format": FORMAT, "task": "mqar", "grid": grid, "seeds": [0], "machine": {},
+              "started": "2025-01-01T00:00:00Z", "code": code}
+    runs = [{"settings": s, "seed": 0, "record": {"accuracy": 0.5, "run_seconds": 1.0}}
+            for s in grid]  # numbers of another machine: never compared
+    path = tmp_path / "runs.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in [header, *runs]))
+    tasks.write_text(STAND_IN_TASKS.format(scale="1 + 1"))
+    _git(repo, "commit", "-q", "-am", "today's code")
+    entry = ResultsEntry("tiny", "mqar", tiny_mqar_grid(2), (0,), "a stand-in", "-", 0.1)
+    return {"repo": repo, "package": package, "tasks": tasks, "path": path, "first": first,
+            "recorded": code["hash"], "entry": entry}
+
+
+def _status(stand_in: dict) -> str:
+    """``check``'s word on the stand-in's file for today's stand-in code."""
+    today, today_ast = task_code_hash(StandIn), task_code_ast_hash(StandIn)
+    return results.file_status(stand_in["entry"], stand_in["path"], today, today_ast)
+
+
+def test_verify_against_the_recorded_code_vouches_for_equivalent_code(stand_in):
+    assert _status(stand_in).startswith("stale: recorded by code")
+    with CommitSources(stand_in["package"]) as sources:
+        done = verify(StandIn, stand_in["path"], runs=2, jobs=2, baseline="code",
+                      sources=sources)
+    # the recorded commit is gone: the newest commit of the history with the same sources
+    assert done["baseline"]["commit"] == stand_in["first"]
+    assert done["baseline"]["hash"] == stand_in["recorded"]
+    assert done["baseline"]["vouches_by"] == "hash"
+    assert done["tolerance"] == 0 and [r["differences"] for r in done["runs"]] == [0, 0]
+    assert done["code"]["hash"] == task_code_hash(StandIn) != stand_in["recorded"]
+    assert done["code"]["ast_hash"] == task_code_ast_hash(StandIn)
+    assert verifications(stand_in["path"]) == [done]
+    assert _status(stand_in) == "current"
+
+
+def test_verify_against_the_recorded_code_refuses_a_change_of_behaviour(stand_in):
+    stand_in["tasks"].write_text(STAND_IN_TASKS.format(scale="3"))
+    before = stand_in["path"].read_bytes()
+    first = stand_in["first"][:12]
+    expected = (f"(?s)does not reproduce 2 of 2 .*code at {first} run here.*"
+                "run 1 of the file \\(seed 0\\): accuracy: recorded 0.2, now 0.3")
+    with CommitSources(stand_in["package"]) as sources, pytest.raises(
+        VerificationFailed, match=expected
+    ):
+        verify(StandIn, stand_in["path"], runs=2, jobs=1, baseline="code", sources=sources)
+    assert stand_in["path"].read_bytes() == before  # nothing written
+    assert _status(stand_in).startswith("stale")
+
+
+def test_verify_against_the_recorded_code_needs_sources_of_it_that_run(stand_in):
+    path = stand_in["path"]
+    _recorded_by_other_code(path)  # code whose sources no commit holds
+    before = path.read_bytes()
+    with CommitSources(stand_in["package"]) as sources, pytest.raises(
+        BaselineError, match="no commit of this repository's history has sources"
+    ):
+        verify(StandIn, path, baseline="code", sources=sources)
+    assert path.read_bytes() == before
+
+    # the recorded code's sources are found, but do not run here
+    stand_in["tasks"].write_text("raise ImportError('a module gone since')\n")
+    broken = task_code_hash(StandIn)
+    _git(stand_in["repo"], "commit", "-q", "-am", "broken")
+    stand_in["tasks"].write_text(STAND_IN_TASKS.format(scale="2"))
+    path.write_bytes(before.replace(b"0" * 64, broken.encode(), 1))
+    before = path.read_bytes()
+    with CommitSources(stand_in["package"]) as sources, pytest.raises(
+        BaselineError, match="(?s)the code at .* failed to run seed 0 of mqar.*a module gone since"
+    ):
+        verify(StandIn, path, runs=1, baseline="code", sources=sources)
+    assert path.read_bytes() == before
+
+
+def test_the_verify_command_passes_the_baseline(tmp_path, monkeypatch, capsys):
+    entry = ResultsEntry("tiny", "mqar", tiny_mqar_grid(1), (0,), "a tiny sweep", "-", 0.1)
+    monkeypatch.setattr(results, "REGISTRY", {"tiny": entry})
+    monkeypatch.setattr(results, "entry_status", lambda entry, data: "current")
+    (tmp_path / "tiny.jsonl").write_text("")
+    calls = []
+
+    def fake_verify(task, path, runs, tolerance, jobs, *, baseline, sources):
+        calls.append((task.name, runs, tolerance, jobs, baseline))
+        return {"runs": [{}], "code": {"hash": "a" * 64}, "baseline": {"commit": "b" * 40}}
+
+    monkeypatch.setattr(cli, "verify", fake_verify)
+    main(["verify", "tiny", "--against-recorded-code", "--runs", "1", "--jobs", "1",
+          "--data", str(tmp_path)])
+    assert calls == [("mqar", 1, None, 1, "code")]
+    assert "as the code at bbbbbbbbbbbb does here; current" in capsys.readouterr().out
+    main(["verify", "tiny", "--tolerance", "0.01", "--data", str(tmp_path)])
+    assert calls[-1] == ("mqar", 2, 0.01, 2, "file")

@@ -6,9 +6,11 @@ that file's sweep, each run appended as it finishes; runs are single-threaded, `
 them at once), ``check`` (every file under ``book/data`` against the registry and today's code;
 exit status 1 on a stale or unregistered file), ``verify NAME`` (re-runs a few runs of a
 complete file recorded by earlier code; if today's code reproduces them, the file is current
-again without being recorded anew), ``rehash [NAME ...]`` (gives a file recorded before AST
-hashes existed the AST hash of its recorded code, from git, without training: then an edit of
-docstrings or comments leaves it current).
+again without being recorded anew; ``--against-recorded-code``: compares with those runs of the
+recorded code, taken from git, on this machine, rather than with the file's numbers, which
+another machine's floating point may not give), ``rehash [NAME ...]`` (gives a file recorded
+before AST hashes existed the AST hash of its recorded code, from git, without training: then an
+edit of docstrings or comments leaves it current).
 
 The timing benchmarks are ``python -m gpt2kimi.bench``.
 """
@@ -115,31 +117,43 @@ def verify_main(argv: list[str]) -> None:
     """``verify NAME [NAME ...]``: re-run ``--runs`` runs of each complete registered file with
     today's code and compare them with the recorded ones (timings aside, numbers within
     ``--tolerance``); where all agree, the file records the verification and is current again.
+    With ``--against-recorded-code``, compare instead with the same runs of the code that
+    recorded the file (or verified it), its sources taken from git and run on this machine:
+    this holds where this machine's floating point differs from the recording machine's.
     Exit 1 if any file is not reproduced (it stays stale: record it again with ``run``)."""
     p = argparse.ArgumentParser(prog="python -m gpt2kimi.experiments verify",
                                 description=verify_main.__doc__)
     p.add_argument("names", nargs="+", choices=sorted(results.REGISTRY), metavar="NAME")
     p.add_argument("--runs", type=int, default=2, help="runs re-run per file (default 2)")
-    p.add_argument("--tolerance", type=float, default=1e-4,
-                   help="largest difference allowed in any recorded number (default 1e-4)")
+    p.add_argument("--against-recorded-code", action="store_true",
+                   help="compare with the runs of the recorded code (from git) on this "
+                        "machine, not with the file's numbers; each run runs twice")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="largest difference allowed in any recorded number (default 1e-4; "
+                        "0, numbers equal, with --against-recorded-code)")
     p.add_argument("--jobs", type=int, default=2, help="parallel single-threaded runs")
     _data_arg(p)
     args = p.parse_args(argv)
     data = args.data or results.default_data_dir()
+    baseline = "code" if args.against_recorded_code else "file"
     failed = []
-    for name in dict.fromkeys(args.names):
-        entry = results.REGISTRY[name]
-        path = data / entry.path
-        if not path.exists():
-            raise SystemExit(f"{path}: no such file; record it with: {entry.command}")
-        try:
-            done = verify(get_task(entry.task), path, args.runs, args.tolerance, args.jobs)
-        except (ResultsFileError, VerificationFailed) as error:
-            print(error)
-            failed.append(name)
-            continue
-        print(f"{name}: {len(done['runs'])} runs reproduced by code {done['code']['hash'][:12]}; "
-              f"{results.entry_status(entry, data)}")
+    with CommitSources() as sources:  # each commit extracted once for all the files
+        for name in dict.fromkeys(args.names):
+            entry = results.REGISTRY[name]
+            path = data / entry.path
+            if not path.exists():
+                raise SystemExit(f"{path}: no such file; record it with: {entry.command}")
+            try:
+                done = verify(get_task(entry.task), path, args.runs, args.tolerance, args.jobs,
+                              baseline=baseline, sources=sources)
+            except (ResultsFileError, VerificationFailed) as error:
+                print(error)
+                failed.append(name)
+                continue
+            against = (f" as the code at {done['baseline']['commit'][:12]} does here"
+                       if "baseline" in done else "")
+            print(f"{name}: {len(done['runs'])} runs reproduced by code "
+                  f"{done['code']['hash'][:12]}{against}; {results.entry_status(entry, data)}")
     if failed:
         raise SystemExit(f"not reproduced: {' '.join(failed)}")
 

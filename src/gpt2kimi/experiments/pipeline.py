@@ -11,7 +11,9 @@ results file: one header line, then one line per finished run::
     {"session": {"started": "...", "machine": {...}}}        (a later resume, on any machine)
     ...
     {"verified": {"code": {...}, "runs": [...], ...}}          (:func:`verify`: newer code
-                                                                reproduced some runs)
+                                                                reproduced some runs; with
+                                                                "baseline": {"commit": ...},
+                                                                those of that older code)
     {"grid_added": {"grid": [{...}, ...], "at": "...Z"}}       (the grid grew: more points,
                                                                 the same task, seeds and code)
     {"rehashed": {"from": "<hash>", "ast_hash": "...", ...}}   (:func:`rehash`: the AST hash
@@ -34,6 +36,15 @@ leaves every file current. A file recorded before ``ast_hash`` existed gets it f
 ``hash`` (the recorded commit's, or a later commit's for a recording with uncommitted edits),
 and from nothing else.
 
+Code that neither hash vouches for can still vouch by evidence: :func:`verify` re-runs a few of
+a file's runs with it. Against the file's records (the default), that holds only on a machine
+that computes as the recording one did: another CPU's vector instructions move a long training
+run's numbers by more than the tolerance. Against the recorded code (``baseline="code"``,
+``verify NAME --against-recorded-code``), it holds on any machine: the sources that vouch for the
+file are taken from git (as :func:`rehash` takes them), and each chosen run is run on this
+machine with them and with today's code, in fresh interpreters alike, and must give the same
+record; only the code differs between the two.
+
 :func:`read_results` reads a file as ``(header, records)``.
 """
 
@@ -50,20 +61,24 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
 import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Literal
 
 import torch
 
 import gpt2kimi
 from gpt2kimi.experiments.sweep import machine_info, map_jobs
 from gpt2kimi.experiments.tasks import Task
+from gpt2kimi.progress import progress
 
 FORMAT = "gpt2kimi-results/1"
 PACKAGE_DIR = Path(gpt2kimi.__file__).resolve().parent
@@ -668,13 +683,19 @@ def verifications(path: str | Path) -> list[dict]:
     return [line["verified"] for line in lines[1:] if "verified" in line]
 
 
+def _vouching_codes(lines: list[dict]) -> list[dict]:
+    """The codes that vouch for a file of these lines: its header's, which recorded it, then
+    each verification's (:func:`verify`), oldest first."""
+    return [lines[0]["code"]] + [line["verified"]["code"] for line in lines[1:]
+                                 if "verified" in line]
+
+
 def _vouching(lines: list[dict]) -> tuple[set[str], set[str]]:
     """The code that vouches for a file of these lines, as ``(hashes, ast_hashes)``: the
     header's code, which recorded it, and each verification's (:func:`verify`), by both of their
     hashes where they have both; and the AST hash of each ``rehashed`` line (:func:`rehash`)
     whose ``from`` is among those hashes."""
-    codes = [lines[0]["code"]] + [line["verified"]["code"] for line in lines[1:]
-                                  if "verified" in line]
+    codes = _vouching_codes(lines)
     hashes = {code["hash"] for code in codes}
     ast_hashes = {code["ast_hash"] for code in codes if code.get("ast_hash")}
     ast_hashes |= {line["rehashed"]["ast_hash"] for line in lines[1:]
@@ -700,51 +721,241 @@ def verify(
     task: Task,
     path: str | Path,
     runs: int = 2,
-    tolerance: float = 1e-4,
+    tolerance: float | None = None,
     jobs: int = 1,
+    *,
+    baseline: Literal["file", "code"] = "file",
+    sources: CommitSources | None = None,
 ) -> dict:
     """Re-run ``runs`` recorded runs of the complete file ``path`` (spread evenly through it,
     the first and the last among them) with today's code, single-threaded as a sweep runs them,
-    and compare each record with the recorded one (:func:`record_differences`). If all agree
-    within ``tolerance``, append a ``"verified"`` line naming today's code (its hash then
-    vouches for the file, :func:`code_hashes`) and return it; otherwise raise
-    :class:`VerificationFailed` with the differences, and write nothing.
+    and compare each record with a baseline's (:func:`record_differences`, timings aside). If
+    all agree within ``tolerance``, append a ``"verified"`` line naming today's code (its hashes
+    then vouch for the file, :func:`code_hashes`, :func:`ast_hashes`) and return it; otherwise
+    raise :class:`VerificationFailed` with the differences, and write nothing.
 
     This is how a change to the library that should not change what a file measures (a faster
     decode path, a docstring) keeps the file current without recording it again: the evidence
     is the re-run, not the claim. A change that does alter the numbers fails here, and the file
-    must be recorded again (``run NAME`` after deleting it)."""
+    must be recorded again (``run NAME`` after deleting it).
+
+    ``baseline="file"``: the baseline is the file's own records; ``tolerance`` None means 1e-4.
+    That needs this machine to compute what the recording machine did, and another CPU's
+    vector instructions can move a 600-step run's accuracy by 1e-3.
+
+    ``baseline="code"``: the baseline is the code that vouches for the file, run here
+    (:func:`_verify_against_code`): sources of it are found in git
+    (:meth:`CommitSources.find_vouching`, :class:`BaselineError` if none), and each chosen run
+    is run twice on this machine, once with them and once with today's code, each in a fresh
+    single-threaded interpreter. This holds across machines: only the code differs between the
+    two. ``tolerance`` None means 0, numbers equal as stored (4 digits): the same arithmetic on
+    the same machine, libraries and thread gives the same bits, so any difference comes from
+    the code, and a difference in rounding grows over a training run into one of any size, so
+    1e-4 would not make a weaker check safe. (Give a tolerance where runs are not deterministic
+    on one machine, on some GPUs.) The line's ``baseline`` names the sources:
+    ``{"commit", "hash", "ast_hash", "vouches_by": "hash" | "ast_hash"}``. ``sources``: where
+    to look (default: this repository's history)."""
     if runs < 1:
         raise ValueError(f"runs must be at least 1, got {runs}")
+    if baseline not in ("file", "code"):
+        raise ValueError(f"baseline must be 'file' or 'code', got {baseline!r}")
     path = Path(path)
+    chosen = _chosen_runs(path, runs)
+    today = code_info(task)
+    if baseline == "file":
+        tolerance = 1e-4 if tolerance is None else tolerance
+        with _one_thread():
+            again = map_jobs(_run_one, [(task, line["settings"], line["seed"])
+                                        for _, line in chosen], jobs)
+        pairs = [(line["record"], new["record"]) for (_, line), new in zip(chosen, again,
+                                                                           strict=True)]
+        against, extra = "compared with the file's records", {}
+    else:
+        tolerance = 0.0 if tolerance is None else tolerance
+        with (CommitSources() if sources is None else nullcontext(sources)) as found:
+            origin, pairs = _verify_against_code(task, path, chosen, found, jobs)
+        against = (f"compared with the code at {origin.commit[:12]} run here; 'recorded' is "
+                   "its record")
+        extra = {"baseline": origin.line()}
+    report = _compare(chosen, pairs, tolerance, against, path)
+    if task_code_ast_hash(task) != today["ast_hash"]:  # the line would name code that did not run
+        raise ResultsFileError(f"{path}: the library's code changed during the verification; "
+                               "nothing written")
+    with _one_thread():  # the machine as the runs used it
+        machine = machine_info(jobs)
+    line = {"verified": {"code": today, "time": _now(), "machine": machine,
+                         "tolerance": tolerance, "runs": report, **extra}}
+    with path.open("ab") as f:
+        _lock(f)
+        _append(f, line)
+    return line["verified"]
+
+
+def _chosen_runs(path: Path, runs: int) -> list[tuple[int, dict]]:
+    """``runs`` run lines of the complete file ``path``, spread evenly through it (the first and
+    the last among them), each with its index in the file."""
     missing = len(missing_runs(path))
     if missing:
         raise ResultsFileError(f"{path}: {missing} runs missing; finish it first")
     done = run_lines(path)
     picks = sorted({round(i * (len(done) - 1) / max(runs - 1, 1)) for i in range(runs)})
-    chosen = [done[i] for i in picks]
-    with _one_thread():
-        again = map_jobs(_run_one, [(task, line["settings"], line["seed"]) for line in chosen],
-                         jobs)
+    return [(i, done[i]) for i in picks]
+
+
+def _compare(
+    chosen: list[tuple[int, dict]],
+    pairs: list[tuple[dict, dict]],
+    tolerance: float,
+    against: str,
+    path: Path,
+) -> list[dict]:
+    """The report of a verification: each chosen run with its number of differences between
+    the baseline's record and today's (``pairs``); :class:`VerificationFailed` if any."""
     report, failures = [], []
-    for index, old, new in zip(picks, chosen, again, strict=True):
-        differences = record_differences(old["record"], new["record"], tolerance)
-        report.append({"settings": old["settings"], "seed": old["seed"],
+    for (index, line), (old, new) in zip(chosen, pairs, strict=True):
+        differences = record_differences(old, new, tolerance)
+        report.append({"settings": line["settings"], "seed": line["seed"],
                        "differences": len(differences)})
-        failures += [f"run {index + 1} of the file (seed {old['seed']}): {d}"
+        failures += [f"run {index + 1} of the file (seed {line['seed']}): {d}"
                      for d in differences]
     if failures:
         raise VerificationFailed(
             f"{path}: today's code does not reproduce {sum(r['differences'] > 0 for r in report)}"
-            f" of {len(report)} re-run runs (tolerance {tolerance}):\n  "
+            f" of {len(report)} re-run runs ({against}; tolerance {tolerance}):\n  "
             + "\n  ".join(failures[:20])
         )
-    line = {"verified": {"code": code_info(task), "time": _now(), "machine": machine_info(jobs),
-                         "tolerance": tolerance, "runs": report}}
-    with path.open("ab") as f:
-        _lock(f)
-        _append(f, line)
-    return line["verified"]
+    return report
+
+
+# ----------------------------------------------------------------------------------------------
+# verification against the recorded code, run on this machine
+
+
+class BaselineError(ResultsFileError):
+    """No code that vouches for a file can be run here: no sources of it in git, or they fail."""
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The sources at ``commit`` of the modules of ``code`` (a code that vouches for a file),
+    with their hashes; ``by``: which of the two is among the file's vouching hashes."""
+
+    commit: str
+    code: dict
+    hash: str
+    ast_hash: str | None
+    by: Literal["hash", "ast_hash"]
+
+    def line(self) -> dict:
+        """What a ``verified`` line records of it."""
+        return {"commit": self.commit, "hash": self.hash, "ast_hash": self.ast_hash,
+                "vouches_by": self.by}
+
+
+class RunFailed(RuntimeError):
+    """A run in a fresh interpreter (:func:`run_in_sources`) exited with an error."""
+
+
+def _verify_against_code(
+    task: Task, path: Path, chosen: list[tuple[int, dict]], found: CommitSources, jobs: int
+) -> tuple[Baseline, list[tuple[dict, dict]]]:
+    """The sources that vouch for ``path`` and, for each chosen run, ``(its record with those
+    sources, its record with today's)``, both run here (:func:`verify`, ``baseline="code"``)."""
+    lines, _ = _read_lines(path)
+    origin = found.find_vouching(lines)
+    if origin is None:
+        hashes, ast_hashes = _vouching(lines)
+        raise BaselineError(
+            f"{path}: no commit of this repository's history has sources that give a code hash "
+            f"that vouches for the file ({', '.join(sorted(h[:12] for h in hashes))}) or an AST "
+            f"hash ({', '.join(sorted(h[:12] for h in ast_hashes)) or 'none'}); nothing written. "
+            "Verify it against the file instead, or record it again."
+        )
+    old_src = found.src_at(origin.commit)
+    if old_src is None:
+        raise BaselineError(f"{path}: the sources of {origin.commit[:12]} could not be extracted")
+    records = _run_pairs(task.name, [line for _, line in chosen], old_src, PACKAGE_DIR.parent,
+                         origin.commit[:12], jobs)
+    return origin, records
+
+
+def _run_pairs(
+    name: str, lines: list[dict], old_src: Path, new_src: Path, old_name: str, jobs: int
+) -> list[tuple[dict, dict]]:
+    """Each run of ``lines`` of task ``name`` with the sources under ``old_src`` and with those
+    under ``new_src`` (:func:`run_in_sources`), ``jobs`` interpreters at once, each run's old
+    one first (a baseline that does not run here fails soonest). :class:`BaselineError` if an
+    old run fails, :class:`VerificationFailed` if a new one does; runs not started are then
+    cancelled."""
+    sides = ((old_src, BaselineError, f"the code at {old_name}"),
+             (new_src, VerificationFailed, "today's code"))
+    bar = progress(total=2 * len(lines), desc="runs", unit="run")
+
+    def one(line: dict, side: tuple[Path, type[Exception], str]) -> dict:
+        src, error, who = side
+        try:
+            record = run_in_sources(src, name, line["settings"], line["seed"])
+        except RunFailed as failure:
+            raise error(f"{who} failed to run seed {line['seed']} of {name}: {failure}") from None
+        bar.update()
+        return record
+
+    with ThreadPoolExecutor(max_workers=max(jobs, 1)) as pool:
+        futures = [pool.submit(one, line, side) for line in lines for side in sides]
+        try:
+            records = [future.result() for future in futures]
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        finally:
+            bar.close()
+    return list(zip(records[0::2], records[1::2], strict=True))
+
+
+# One run in a fresh interpreter, of the package that PYTHONPATH puts first: argv is the folder
+# it must come from, the task's name and the file for the record; stdin the settings and seed.
+# It uses only what every version of the pipeline has: tasks.get_task(name).train_and_score,
+# timed as _run_one times it, on one thread as a sweep's workers run.
+_RUNNER = """
+import json, sys, time
+from pathlib import Path
+src, name, out = Path(sys.argv[1]).resolve(), sys.argv[2], Path(sys.argv[3])
+job = json.load(sys.stdin)
+import gpt2kimi
+if src not in Path(gpt2kimi.__file__).resolve().parents:
+    sys.exit(f"gpt2kimi was imported from {gpt2kimi.__file__}, not from {src}")
+from gpt2kimi.experiments.tasks import get_task
+task = get_task(name)
+torch = sys.modules.get("torch")
+if torch is not None:
+    torch.set_num_threads(1)
+start = time.perf_counter()
+record = task.train_and_score(job["settings"], job["seed"])
+record["run_seconds"] = round(time.perf_counter() - start, 1)
+out.write_text(json.dumps(record))
+"""
+
+
+def run_in_sources(src: Path, name: str, settings: dict, seed: int) -> dict:
+    """The record of one run of the task ``name`` by the package under the folder ``src`` (its
+    ``src``), in a fresh interpreter on one thread (``OMP_NUM_THREADS=1`` too), started in
+    ``src``'s parent, as :func:`_run_one` records it. Both sides of a comparison run this way,
+    so that nothing but their sources differs (not the process, its threads or what ran in it
+    before). :class:`RunFailed` with the end of its error output if it fails."""
+    src = Path(src).resolve()
+    path = os.pathsep.join([str(src), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "GPT2KIMI_PROGRESS": "0"}
+    with tempfile.TemporaryDirectory(prefix="gpt2kimi-run-") as tmp:
+        out = Path(tmp) / "record.json"
+        done = subprocess.run(
+            [sys.executable, "-c", _RUNNER, str(src), name, str(out)],
+            input=json.dumps({"settings": settings, "seed": seed}), capture_output=True,
+            text=True, cwd=src.parent, env=env,
+        )
+        if done.returncode != 0 or not out.is_file():
+            tail = "\n    ".join((done.stderr or done.stdout).strip().splitlines()[-15:])
+            raise RunFailed(f"exit status {done.returncode}:\n    {tail}")
+        return json.loads(out.read_text())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -789,30 +1000,57 @@ class CommitSources:
         return self._trees[commit]
 
     def _extract(self, commit: str) -> Path | None:
-        if self.top is None or not _COMMIT.fullmatch(commit):
+        if self.top is None:
             return None
         inside = self.package_dir.relative_to(self.top).as_posix()
+        into = Path(self._tmp.name) / commit
+        return into / inside if self._archive(commit, into, inside) else None
+
+    def _archive(self, commit: str, into: Path, *paths: str) -> bool:
+        """Extract ``paths`` (all of the tree if none) as of ``commit`` into ``into``; False if
+        git does not know the commit or it has none of them."""
+        if self.top is None or not _COMMIT.fullmatch(commit):
+            return False
         try:
-            out = subprocess.run(["git", "archive", "--format=tar", commit, "--", inside],
+            out = subprocess.run(["git", "archive", "--format=tar", commit, "--", *paths],
                                  cwd=self.top, capture_output=True, timeout=60)
         except (OSError, subprocess.SubprocessError):
-            return None
+            return False
         if out.returncode != 0:
-            return None
-        into = Path(self._tmp.name) / commit
+            return False
         with tarfile.open(fileobj=io.BytesIO(out.stdout)) as tar:
             # the "data" filter (where this Python has it) refuses links and paths outside
             safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
             tar.extractall(into, **safe)
-        package = into / inside
-        return package if package.is_dir() else None
+        return all((into / path).exists() for path in paths)
+
+    def src_at(self, commit: str) -> Path | None:
+        """The folder to put on ``PYTHONPATH`` to import the package as of ``commit`` (its
+        parent folder, ``src``), in a copy of the commit's whole tree: a module that reads a
+        file beside the package (the training text, ``book/data/corpus.txt``) reads the
+        commit's. None: no such commit or package. Kept until the context exits."""
+        if self.top is None:
+            return None
+        into = Path(self._tmp.name) / f"tree-{commit}"
+        if not into.is_dir() and not self._archive(commit, into):
+            return None
+        package = into / self.package_dir.relative_to(self.top)
+        return package.parent if package.is_dir() else None
 
     def hash_at(self, commit: str, code: dict) -> str | None:
         """:func:`code_hash` of ``code``'s modules as of ``commit`` (None: no such commit)."""
-        key = (commit, tuple(code["modules"]), tuple(code["shallow"]))
+        return self._hash(code_hash, commit, code)
+
+    def ast_hash_at(self, commit: str, code: dict) -> str | None:
+        """:func:`code_ast_hash` of ``code``'s modules as of ``commit`` (None: no such
+        commit)."""
+        return self._hash(code_ast_hash, commit, code)
+
+    def _hash(self, how: Callable[..., str], commit: str, code: dict) -> str | None:
+        key = (how.__name__, commit, tuple(code["modules"]), tuple(code["shallow"]))
         if key not in self._hashes:
             package = self.package_at(commit)
-            self._hashes[key] = None if package is None else code_hash(
+            self._hashes[key] = None if package is None else how(
                 package, code["modules"], code["shallow"])
         return self._hashes[key]
 
@@ -827,6 +1065,33 @@ class CommitSources:
             if self.hash_at(commit, code) == code["hash"]:
                 return commit
             self._drop(commit)  # its hash is kept; a full history on disk would be large
+        return None
+
+    def find_vouching(self, lines: list[dict]) -> Baseline | None:
+        """Sources in git that vouch for the results file of these ``lines``: the first commit
+        whose sources give, for the modules of a code that vouches for it (its header's, its
+        verifications'), one of the file's vouching hashes (:func:`_vouching`): a code hash
+        (the same bytes) or else an AST hash (the same code but for docstrings and comments).
+
+        The commits the file names come first (where it was recorded, verified and rehashed,
+        in that order), then HEAD's history, newest first. None if no commit's sources vouch.
+        """
+        hashes, ast_hashes = _vouching(lines)
+        codes = _vouching_codes(lines)
+        modules = list({(tuple(c["modules"]), tuple(c["shallow"])): c for c in codes}.values())
+        named = [c.get("commit") for c in codes] + [
+            line["rehashed"].get("commit") for line in lines[1:] if "rehashed" in line]
+        for commit in dict.fromkeys([c for c in named if c] + self.history()):
+            for code in modules:
+                raw = self.hash_at(commit, code)
+                if raw is None:
+                    break  # no such commit, or no package in it
+                by = "hash" if raw in hashes else None
+                if by is None and ast_hashes:  # parsing every file: only where it may help
+                    by = "ast_hash" if self.ast_hash_at(commit, code) in ast_hashes else None
+                if by is not None:
+                    return Baseline(commit, code, raw, self.ast_hash_at(commit, code), by)
+            self._drop(commit)
         return None
 
     def _drop(self, commit: str) -> None:
@@ -870,8 +1135,7 @@ def _rehash_lines(
     path: Path, f: BinaryIO, lines: list[dict], found: CommitSources, say: Callable[[str], None]
 ) -> list[dict]:
     """:func:`rehash` of the file ``path`` of these ``lines``, open and locked as ``f``."""
-    codes = [lines[0]["code"]] + [line["verified"]["code"] for line in lines[1:]
-                                  if "verified" in line]
+    codes = _vouching_codes(lines)
     done = {line["rehashed"]["from"] for line in lines[1:] if "rehashed" in line}
     todo = {code["hash"]: code for code in codes
             if not code.get("ast_hash") and code["hash"] not in done}
