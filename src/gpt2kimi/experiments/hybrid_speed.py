@@ -21,9 +21,9 @@ from gpt2kimi.attention import SoftmaxAttention
 from gpt2kimi.backbone import LanguageModel
 from gpt2kimi.configs import HybridConfig, KDAConfig, MLAConfig, MoEConfig
 from gpt2kimi.experiments.decoding import fill_cache
+from gpt2kimi.experiments.reference_speed import greedy_side_by_side
 from gpt2kimi.kimi_linear import KimiHybrid, make_ffn, to_hf_state_dict
-from gpt2kimi.kv_cache import generate
-from gpt2kimi.timing import fastest_interleaved, timed
+from gpt2kimi.timing import fastest_interleaved
 
 # The book's tiny hybrid: 4 layers, KDA ×3 then MLA, a dense first feed-forward, then experts.
 BENCH_CONFIG = HybridConfig(
@@ -140,16 +140,7 @@ def against_transformers(
     prompt = torch.randint(3, config.vocab_size, (1, prompt_len),
                            generator=torch.Generator().manual_seed(1))
 
-    def ours() -> torch.Tensor:
-        return generate(model, prompt, new_tokens)
-
-    def theirs() -> torch.Tensor:
-        return hf.generate(prompt, max_new_tokens=new_tokens, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
-
-    same = torch.equal(ours(), theirs())
-
-    best = fastest_interleaved({"ours": timed(ours), "theirs": timed(theirs)}, rounds)
+    same, best = greedy_side_by_side(model, hf, prompt, new_tokens, rounds)
     t_ours, t_theirs = best["ours"], best["theirs"]
     return {"ours_s": t_ours, "transformers_s": t_theirs, "same_tokens": same,
             "prompt_len": prompt_len, "new_tokens": new_tokens}

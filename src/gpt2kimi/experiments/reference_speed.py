@@ -46,6 +46,28 @@ def _hf_gpt2(config: GPT2Config, seed: int = 0):
 
 
 @torch.no_grad()
+def greedy_side_by_side(
+    ours: torch.nn.Module, hf: torch.nn.Module, prompt: torch.Tensor, new_tokens: int,
+    rounds: int,
+) -> tuple[bool, dict[str, float]]:
+    """Greedy generation of ``new_tokens`` after ``prompt`` [B, T] with this library's
+    :func:`~gpt2kimi.kv_cache.generate` on ``ours`` and with ``transformers``' ``generate`` on
+    ``hf`` (the same weights): whether the tokens are equal, and each one's seconds
+    (``{"ours", "theirs"}``), the fastest of ``rounds`` interleaved rounds."""
+
+    def run_ours() -> torch.Tensor:
+        return generate(ours, prompt, new_tokens)
+
+    def run_theirs() -> torch.Tensor:
+        return hf.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    same = torch.equal(run_ours(), run_theirs())
+    return same, fastest_interleaved({"ours": timed(run_ours), "theirs": timed(run_theirs)},
+                                     rounds)
+
+
+@torch.no_grad()
 def gpt2_decode(
     config: GPT2Config | None = None, prompt_len: int = 8, new_tokens: int = 64,
     rounds: int = 3,
@@ -69,15 +91,7 @@ def gpt2_decode(
     prompt = torch.randint(0, config.vocab_size, (1, prompt_len),
                            generator=torch.Generator().manual_seed(1))
 
-    def run_ours() -> torch.Tensor:
-        return generate(ours, prompt, new_tokens)
-
-    def run_theirs() -> torch.Tensor:
-        return hf.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           do_sample=False, eos_token_id=None, pad_token_id=0)
-
-    same = torch.equal(run_ours(), run_theirs())
-    best = fastest_interleaved({"ours": timed(run_ours), "theirs": timed(run_theirs)}, rounds)
+    same, best = greedy_side_by_side(ours, hf, prompt, new_tokens, rounds)
     weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
     # the cache a step reads, on average over the steps: keys and values of every layer
     mean_cached = prompt_len + new_tokens / 2
