@@ -191,7 +191,10 @@ ENTRIES: list[ResultsEntry] = [
         "writes, 6x a 4-wide memory), with and without forget gates, each at 4 to 6 learning "
         "rates", "5", 60),
     ResultsEntry(
-        "forget_stale_long", "rewrite", _stale_grid(STALE_LONG),
+        "forget_stale_long", "rewrite", _stale_grid(STALE_LONG)
+        # gated linear attention's best rate sat at the top of its grid: two more above it
+        + [{**m, **p} for m in _options(["gated_linear"], 4)
+           for p in _points(**STALE_LONG, train_lr=HIGH_LRS)],
         SEEDS, "stale bindings over streams twice as long: 128 tokens, about 49 writes, 12x a "
         "4-wide memory; the mixers and rates of forget_stale", "5", 65),
 ]
