@@ -708,3 +708,19 @@ def test_the_verify_command_passes_the_baseline(tmp_path, monkeypatch, capsys):
     assert "as the code at bbbbbbbbbbbb does here; current" in capsys.readouterr().out
     main(["verify", "tiny", "--tolerance", "0.01", "--data", str(tmp_path)])
     assert calls[-1] == ("mqar", 2, 0.01, 2, "file")
+
+
+def test_code_form_reads_fstring_parts_without_empty_strings():
+    """Python 3.12 parses ``f"{x:<{w}}"`` with an extra empty part that other versions do not
+    have; the code form, and so the AST hash, is the same either way."""
+    import ast
+
+    from gpt2kimi.experiments.pipeline import _canonical
+
+    tree = ast.parse('f"{x:<{w}}"')
+    spec = tree.body[0].value.values[0].format_spec
+    plain = _canonical(tree)
+    spec.values.append(ast.Constant(value=""))  # the part 3.12 adds
+    assert _canonical(tree) == plain
+    spec.values.append(ast.Constant(value="!"))  # a real part still counts
+    assert _canonical(tree) != plain

@@ -207,11 +207,16 @@ def _canonical(node: object) -> str:
     list is left out, as Python 3.13's dump does and 3.12's new empty ``type_params`` need, so
     the text is the same on the Pythons the package supports. Every field kept is named, so
     leaving the empty ones out never makes two trees alike. A constant keeps its type (``1``,
-    ``1.0`` and ``True`` differ)."""
+    ``1.0`` and ``True`` differ). The parts of an f-string are read without empty strings:
+    Python 3.12's parser (PEP 701) adds an empty ``Constant('')`` after a nested format field
+    (``f"{x:<{w}}"``) that 3.10, 3.11 and 3.13 do not, and an empty part formats nothing."""
     if isinstance(node, ast.AST):
         fields = []
         for name in node._fields:
             value = getattr(node, name, None)
+            if isinstance(node, ast.JoinedStr) and name == "values":
+                value = [part for part in value
+                         if not (isinstance(part, ast.Constant) and part.value == "")]
             if value is None or (isinstance(value, list) and not value):
                 continue
             fields.append(f"{name}={_canonical(value)}")
