@@ -144,8 +144,9 @@ class Browser:
             self.driver = None
 
 
-# A fresh browser for every test: a page that stalls cannot slow the next test.
-@pytest.fixture
+# One browser for the module (starting Chromium costs about as much as reading a page); a page
+# that stalls is read again in a fresh one (Browser.read), so a stall cannot slow later tests.
+@pytest.fixture(scope="module")
 def browser():
     if not (HTML / "book" / "intro.html").is_file():
         missing(f"the book is not built at {HTML}")
