@@ -724,3 +724,16 @@ def test_code_form_reads_fstring_parts_without_empty_strings():
     assert _canonical(tree) == plain
     spec.values.append(ast.Constant(value="!"))  # a real part still counts
     assert _canonical(tree) != plain
+
+
+def test_measured_minutes_sum_the_runs_own_clocks(tmp_path):
+    import json
+
+    from gpt2kimi.experiments.results import default_data_dir, measured_minutes
+
+    path = default_data_dir() / "lm_moe_live.jsonl"
+    seconds = [json.loads(line)["record"]["run_seconds"] for line in path.open()
+               if '"record"' in line]
+    assert measured_minutes(path) == pytest.approx(sum(seconds) / 2 / 60)
+    assert measured_minutes(path, parallel=1) == pytest.approx(sum(seconds) / 60)
+    assert measured_minutes(tmp_path / "missing.jsonl") is None

@@ -41,21 +41,28 @@ def _data_arg(p: argparse.ArgumentParser) -> None:
 
 
 def list_main(argv: list[str]) -> None:
-    """``list``: every registered results file, what it is, its estimated time and status."""
+    """``list``: every registered results file, what it is, its time on two cores (measured
+    from the file's runs where it has them, else the registry's estimate) and its status."""
     p = argparse.ArgumentParser(prog="python -m gpt2kimi.experiments list",
                                 description=list_main.__doc__)
     _data_arg(p)
     args = p.parse_args(argv)
     data = args.data or results.default_data_dir()
     width = max(len(name) for name in results.REGISTRY)
+    total = 0.0
     for entry in results.REGISTRY.values():
         runs = len(entry.runs())
+        measured = results.measured_minutes(data / entry.path)
+        minutes = entry.minutes if measured is None else measured
+        total += minutes
+        how = "estimated" if measured is None else "measured"
+        shown = f"{minutes:.0f}" if minutes >= 1 else f"{minutes:.1f}"
         print(f"{entry.name:<{width}}  ch {entry.chapters:<5} {entry.task:<9} {runs:>3} runs "
-              f"~{entry.minutes:g} min  {results.entry_status(entry, data)}")
+              f"~{shown} min {how}  {results.entry_status(entry, data)}")
         print(f"{'':<{width}}  {entry.description}")
         print(f"{'':<{width}}  {entry.command}")
-    total = sum(entry.minutes for entry in results.REGISTRY.values())
-    print(f"{len(results.REGISTRY)} files, ~{total:g} min in all on 2 cores (two runs at a time)")
+    print(f"{len(results.REGISTRY)} files, ~{total:.0f} min in all on 2 cores (two runs at a "
+          "time)")
 
 
 def run_main(argv: list[str]) -> None:

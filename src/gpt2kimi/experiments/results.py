@@ -30,6 +30,7 @@ from gpt2kimi.experiments.pipeline import (
     expand_grid,
     missing_runs,
     read_results,
+    run_lines,
     same_grid,
     task_code_ast_hash,
     task_code_hash,
@@ -238,6 +239,18 @@ ENTRIES += [
         (0,), "the live subset chapter 7 re-runs: dense and moe_bias, 150 steps, seed 0", "7", 1),
 ]
 REGISTRY: dict[str, ResultsEntry] = {entry.name: entry for entry in ENTRIES}
+
+
+def measured_minutes(path: Path, parallel: int = 2) -> float | None:
+    """Minutes the runs in the results file ``path`` took on ``parallel`` cores: the sum of
+    their own clocks (``run_seconds``) over ``parallel``, None if the file holds no run. A run
+    timed on a machine busy with other work counts as it was measured, so this is an upper
+    bound for a quiet machine."""
+    if not path.exists():
+        return None
+    seconds = [line["record"]["run_seconds"] for line in run_lines(path)
+               if "run_seconds" in line.get("record", {})]
+    return sum(seconds) / parallel / 60 if seconds else None
 
 
 def default_data_dir() -> Path:
