@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from gpt2kimi.attention import GPT2WithCache
 from gpt2kimi.gpt2 import GPT2, GPT2Config
 from gpt2kimi.kv_cache import generate
-from gpt2kimi.roofline import copy_bandwidth, gemv_bandwidth
+from gpt2kimi.roofline import copy_bandwidth, decode_step_cost, gemv_bandwidth
 from gpt2kimi.timing import fastest_interleaved, timed
 from gpt2kimi.train import TrainConfig, configure_optimizer
 
@@ -92,12 +92,12 @@ def gpt2_decode(
                            generator=torch.Generator().manual_seed(1))
 
     same, best = greedy_side_by_side(ours, hf, prompt, new_tokens, rounds)
-    weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
-    # the cache a step reads, on average over the steps: keys and values of every layer
-    mean_cached = prompt_len + new_tokens / 2
-    cache_bytes = 2 * config.n_layer * config.n_embd * 4 * mean_cached
+    # the bytes of the average step: the weights and the cache it reads, cached tokens on
+    # average over the steps (the count chapter 2's roofline uses)
+    n_params = sum(p.numel() for p in ours.parameters())
+    step_bytes = decode_step_cost(n_params, config.n_layer, config.n_embd, config.n_embd,
+                                  context=round(prompt_len + (new_tokens - 1) / 2)).bytes
     bandwidth, gemv = copy_bandwidth(), gemv_bandwidth(width=config.n_embd)
-    step_bytes = weight_bytes + cache_bytes
     rate = new_tokens / best["ours"]
     return {"ours_s": best["ours"], "transformers_s": best["theirs"], "same_tokens": same,
             "tokens_per_s": rate, "roof_tokens_per_s": bandwidth / step_bytes,
@@ -112,7 +112,7 @@ def gpt2_train_step(
     """``steps`` training steps (forward, backward, AdamW) of the same byte-level GPT-2 (4
     layers, 128 wide, 256 tokens by default) in this library and in ``transformers``, from the
     same weights on the same batch; returns ``{"ours_s", "transformers_s", "loss_diff"}``, the
-    seconds per step and the largest difference of the two models' first losses."""
+    seconds per step and the difference of the two models' losses before the first step."""
     config = config or GPT2Config(block_size=256, vocab_size=256, n_layer=4, n_head=4,
                                   n_embd=128, dropout=0.0)
     hf = _hf_gpt2(config).train()
@@ -125,19 +125,17 @@ def gpt2_train_step(
     with torch.no_grad():
         loss_diff = abs(ours(x, y)[1].item() - _hf_loss(hf, x, y).item())
 
-    def step_ours() -> None:
+    def train_steps(model: torch.nn.Module, loss_of, optimizer) -> None:
         for _ in range(steps):
-            _, loss = ours(x, y)
-            loss.backward()
-            opt_ours.step()
-            opt_ours.zero_grad(set_to_none=True)
+            loss_of(model, x, y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    def step_ours() -> None:
+        train_steps(ours, lambda m, a, b: m(a, b)[1], opt_ours)
 
     def step_theirs() -> None:
-        for _ in range(steps):
-            loss = _hf_loss(hf, x, y)
-            loss.backward()
-            opt_theirs.step()
-            opt_theirs.zero_grad(set_to_none=True)
+        train_steps(hf, _hf_loss, opt_theirs)
 
     best = fastest_interleaved({"ours": timed(step_ours), "theirs": timed(step_theirs)}, rounds)
     return {"ours_s": best["ours"] / steps, "transformers_s": best["theirs"] / steps,
