@@ -69,7 +69,7 @@ def test_layer_rejects_indivisible_heads(cls):
 RECURRENT_STEP = {
     DeltaNet: (gpt2kimi.deltanet, "recurrent_delta_rule"),
     GatedDeltaNet: (gpt2kimi.gated_deltanet, "recurrent_gated_delta_rule"),
-    KimiDeltaAttention: (gpt2kimi.kda, "recurrent_kda"),
+    KimiDeltaAttention: (gpt2kimi.kda, "fused_recurrent_kda"),
 }
 
 

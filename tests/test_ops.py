@@ -11,6 +11,7 @@ from gpt2kimi.ops import (
     chunk_kda,
     chunk_linear_attn,
     chunk_simple_gla,
+    fused_recurrent_kda,
     parallel_linear_attn,
     recurrent_delta_rule,
     recurrent_gated_delta_rule,
@@ -75,6 +76,32 @@ def test_chunk_matches_recurrent(name, dtype, T, chunk_size, with_state):
     assert o.shape == (B, T, H, V) and o.dtype == dtype and S.shape == (B, H, K, V)
     torch.testing.assert_close(o, o_ref, **TOL[dtype])
     torch.testing.assert_close(S, S_ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("T", [1, 7])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_fused_recurrent_kda_matches_recurrent(dtype, T, with_state):
+    """The decoder's fused form equals the definition, and leaves the caller's state alone."""
+    args, state = random_inputs("kda", T, dtype)
+    state = state if with_state else None
+    before = None if state is None else state.clone()
+    o, S = fused_recurrent_kda(*args, initial_state=state)
+    o_ref, S_ref = recurrent_kda(*args, initial_state=state)
+    torch.testing.assert_close(o, o_ref, **TOL[dtype])
+    torch.testing.assert_close(S, S_ref, **TOL[dtype])
+    assert o.dtype == dtype and S.shape == (B, H, K, V)
+    if before is not None:
+        assert torch.equal(state, before)
+
+
+def test_fused_recurrent_kda_checks_its_inputs():
+    (q, k, v, g, beta), _ = random_inputs("kda", 3)
+    with pytest.raises(ValueError, match="log-decay"):
+        fused_recurrent_kda(q, k, v, -g, beta)  # a decay above 1
+    fused_recurrent_kda(q, k, v, -g, beta, check_decay=False)  # the decoder's trusted call
+    with pytest.raises(ValueError, match=r"g must have shape \[B, T, H, K\]"):
+        fused_recurrent_kda(q, k, v, g[..., 0], beta, check_decay=False)
 
 
 @pytest.mark.parametrize("with_state", [False, True])

@@ -179,7 +179,7 @@ class CausalConv1d(nn.Conv1d):
         x = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, n_past + T, C]
         if x.size(1) == self.kernel_size[0]:  # one decoding step: a dot product per channel,
             # far cheaper than a convolution call for a single output (fla's conv update)
-            y = torch.einsum("bkc,ck->bc", x, self.weight[:, 0]).unsqueeze(1)
+            y = (x * self.weight[:, 0].t()).sum(dim=1, keepdim=True)  # [B, 1, C]
         else:
             y = super().forward(x.transpose(1, 2)).transpose(1, 2)  # no future input is seen
         return y, x[:, x.size(1) - n_past :]

@@ -6,19 +6,20 @@ where Gated DeltaNet fades the whole memory of a head at once. ``g`` [B, T, H, K
 
 The operator lives in :mod:`gpt2kimi.ops`, named and ordered as fla's:
 ``recurrent_kda(q, k, v, g, beta)`` and ``chunk_kda`` (with its per-chunk
-``decayed_products``). This module holds KDA's forget gate and the layer
-:class:`KimiDeltaAttention`.
+``decayed_products``), and ``fused_recurrent_kda`` for decoding. This module holds KDA's forget
+gate and the layer :class:`KimiDeltaAttention`.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gpt2kimi.configs import KDAConfig
 from gpt2kimi.deltanet import DeltaNet, DeltaNetState
 from gpt2kimi.gated_deltanet import GatedRMSNorm, init_A_log, init_dt_bias, log_decay
-from gpt2kimi.ops import chunk_kda, recurrent_kda
+from gpt2kimi.ops import chunk_kda, fused_recurrent_kda
 
 # ----------------------------------------------------------------------------------------------
 # the layer
@@ -42,7 +43,11 @@ class ForgetGate(nn.Module):
         self.dt_bias = nn.Parameter(init_dt_bias(n_head * head_dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        a = self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (-1, self.head_dim))
+        return self.from_low_rank(self.f_a_proj(x))
+
+    def from_low_rank(self, a_low: Tensor) -> Tensor:
+        """The log-decays from ``f_a(x)`` [B, T, head_dim] (a decoder projects x once for all)."""
+        a = self.f_b_proj(a_low).unflatten(-1, (-1, self.head_dim))
         return log_decay(a, self.A_log, self.dt_bias.view(-1, self.head_dim))
 
 
@@ -61,7 +66,8 @@ class KimiDeltaAttention(DeltaNet):
     defaults are chapter 5's layer (head_dim = d_model / n_head, a bias on ``g_b_proj``).
     :meth:`from_config` builds it from a :class:`~gpt2kimi.configs.KDAConfig`.
     Stepwise decoding as in :class:`~gpt2kimi.deltanet.DeltaNet` (``DeltaNetState``): a prompt
-    runs the chunk form, a single token one step of :func:`~gpt2kimi.ops.recurrent_kda`.
+    runs the chunk form, a single token :meth:`step` (one step of the recurrence, in fewer
+    kernels).
     """
 
     def __init__(
@@ -93,16 +99,38 @@ class KimiDeltaAttention(DeltaNet):
     ) -> Tensor | tuple[Tensor, DeltaNetState]:
         """x: [B, T, d_model] -> y: [B, T, d_model] (and the new state, if ``return_state``)."""
         B, T, _ = x.shape
+        if T == 1:  # one decoded token: one step of the recurrence, without the chunk machinery
+            y, state = self.step(x, state)
+            return (y, state) if return_state else y
         q, k, v, conv = self.qkv(x, state)
         beta = torch.sigmoid(self.b_proj(x))  # [B, T, H]
         g = self.forget_gate(x)  # [B, T, H, K], <= 0
         memory = None if state is None else state.memory
-        if T == 1:  # one decoded token: one step of the recurrence, without the chunk machinery
-            o, memory = recurrent_kda(q, k, v, g, beta, initial_state=memory)
-        else:  # a prompt or a training sequence: the chunkwise-parallel form
-            o, memory = chunk_kda(
-                q, k, v, g, beta, initial_state=memory, chunk_size=self.chunk_size
-            )
+        o, memory = chunk_kda(q, k, v, g, beta, initial_state=memory, chunk_size=self.chunk_size)
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, self.n_head, self.head_dim)
         y = self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))
         return (y, DeltaNetState(memory, conv)) if return_state else y
+
+    def step(self, x: Tensor, state: DeltaNetState | None) -> tuple[Tensor, DeltaNetState]:
+        """One decoded token, x [B, 1, d_model] -> (y [B, 1, d_model], the new state):
+        :meth:`forward`'s arithmetic in fewer kernels, for a step that is all overhead.
+
+        The six projections that read x (q, k, v, β and the low-rank halves of the forget and
+        output gates) are one matrix product over their weights stacked, and the recurrence is
+        :func:`~gpt2kimi.ops.fused_recurrent_kda`, without checking g's values (the forget gate
+        makes them <= 0).
+        """
+        B, H, D = x.shape[0], self.n_head, self.head_dim
+        stacked = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
+                             self.b_proj.weight, self.forget_gate.f_a_proj.weight,
+                             self.g_a_proj.weight])
+        qkv, b, f_a, g_a = F.linear(x, stacked).split([3 * H * D, H, D, D], dim=-1)
+        q, k, v, conv = self.qkv(x, state, projected=qkv)
+        g = self.forget_gate.from_low_rank(f_a)
+        o, memory = fused_recurrent_kda(
+            q, k, v, g, torch.sigmoid(b), initial_state=None if state is None else state.memory,
+            check_decay=False,
+        )
+        gate = self.g_b_proj(g_a).view(B, 1, H, D)
+        y = self.o_proj(self.o_norm(o, gate).reshape(B, 1, -1))
+        return y, DeltaNetState(memory, conv)

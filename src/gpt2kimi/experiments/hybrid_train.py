@@ -6,14 +6,10 @@ at a KDA:MLA mix (:data:`RATIOS`) on the built-in byte corpus (the ``lm_hybrid``
 :func:`run_mqar_job` trains a per-layer mix of :data:`MQAR_MIXES` (the hybrid: KDA then MLA) on
 MQAR at chapter 3's settings (the ``mqar`` task, :mod:`gpt2kimi.experiments.tasks`). The book's
 results files are recorded by ``python -m gpt2kimi.experiments run NAME``
-(:mod:`gpt2kimi.experiments.results`); :func:`lm_sweep` and :func:`mqar_runs` gather several
-such runs into one dict, and no command calls them any more.
+(:mod:`gpt2kimi.experiments.results`).
 """
 
 from __future__ import annotations
-
-import time
-from dataclasses import asdict
 
 import torch
 from torch import nn
@@ -21,13 +17,10 @@ from torch import nn
 from gpt2kimi.accounting import gpt2_param_count, param_count
 from gpt2kimi.configs import HybridConfig, KDAConfig, MLAConfig, MoEConfig
 from gpt2kimi.data import lm_batches, load_corpus
-from gpt2kimi.experiments.mqar import MQARConfig, MQARTraining, mqar_setup, run_mqar
-from gpt2kimi.experiments.registry import RECORDED_BACKBONE
-from gpt2kimi.experiments.sweep import machine_info, map_jobs, training_settings
+from gpt2kimi.experiments.mqar import run_mqar
 from gpt2kimi.gpt2 import GPT2, GPT2Config
 from gpt2kimi.kimi_linear import KimiHybrid
 from gpt2kimi.moe import AuxLossWrapper
-from gpt2kimi.progress import say
 from gpt2kimi.train import TrainConfig, train
 
 # The tiny hybrid the chapter trains: width 64, 4 layers, a dense first layer, then 8 experts
@@ -99,21 +92,6 @@ def run_lm(job: tuple[str, int, dict]) -> dict:
     }
 
 
-def lm_sweep(names: list[str], seeds: list[int], jobs: int = 2, **overrides) -> dict:
-    """Every model of ``names`` × every seed of :func:`run_lm`, ``jobs`` at once, as one dict
-    ``{"settings", "results"}`` (no results file of the book is written this way today)."""
-    settings = {**LM_TRAINING, **overrides}
-    start = time.perf_counter()
-    results = map_jobs(run_lm, [(n, s, settings) for n in names for s in seeds], jobs,
-                       log=lambda r: say(f"{r['model']:<8} seed {r['seed']}: val "
-                                         f"{r['val_loss'][-1]:.3f} ({r['seconds']:.0f} s)"))
-    return {"settings": {**settings, "config": asdict(LM_CONFIG),
-                         "models": names, "seeds": seeds, "jobs": jobs,
-                         "seconds": round(time.perf_counter() - start, 1),
-                         "machine": machine_info(jobs)},
-            "results": results}
-
-
 def run_mqar_job(job: tuple[str, int, int, dict]) -> dict:
     """One MQAR run of the book's setting with a named mix of mixers (registry names per layer)."""
     name, num_pairs, seed, kwargs = job
@@ -123,23 +101,3 @@ def run_mqar_job(job: tuple[str, int, int, dict]) -> dict:
 
 MQAR_MIXES: dict[str, list[str]] = {"hybrid": ["kda", "mla"], "KDA": ["kda", "kda"],
                                     "MLA": ["mla", "mla"]}
-
-
-def mqar_runs(pairs: list[int], seeds: list[int], steps: int, jobs: int = 2) -> dict:
-    """The hybrid (KDA then MLA), pure KDA and pure MLA on MQAR at chapter 3's settings (2
-    layers), ``steps`` training steps; the settings recorded are the task's, the backbone's and
-    the training's, as in chapters 3-6's MQAR files."""
-    training = MQARTraining(steps=steps)
-    grid = [(m, n, s, {"training": training}) for m in MQAR_MIXES for n in pairs for s in seeds]
-    start = time.perf_counter()
-    results = map_jobs(run_mqar_job, grid, jobs,
-                       log=lambda r: say(f"{r['mixer']:<7} N={r['num_pairs']} seed {r['seed']}: "
-                                         f"{r['accuracy']:.3f}"))
-    task, config, _ = mqar_setup()
-    return {"settings": {**task, "power_a": MQARConfig.power_a,
-                         **{k: getattr(config, k) for k in RECORDED_BACKBONE},
-                         **training_settings(training), "mixes": MQAR_MIXES,
-                         "pairs": pairs, "seeds": seeds, "jobs": jobs,
-                         "seconds": round(time.perf_counter() - start, 1),
-                         "machine": machine_info(jobs)},
-            "results": results}

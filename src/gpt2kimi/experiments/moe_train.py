@@ -12,17 +12,13 @@ For each run the record holds the validation losses, the load of every MoE layer
 (max / mean tokens per expert, per step) and, after training, which experts each kind of byte
 is sent to. :func:`run_variant` is one run (the ``lm_moe`` and ``lm_moe_fixed`` tasks,
 :mod:`gpt2kimi.experiments.tasks`); chapter 7's results files are recorded by ``python -m
-gpt2kimi.experiments run lm_moe`` (and ``lm_moe_live``). :func:`moe_train_sweep`,
-:func:`format_table` and :func:`dumps` (several variants into one dict, a table of it, its JSON)
-are what the earlier per-experiment command used; no command calls them any more.
+gpt2kimi.experiments run lm_moe`` (and ``lm_moe_live``).
 """
 
 from __future__ import annotations
 
-import json
-import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -30,7 +26,6 @@ from gpt2kimi.attention import SoftmaxAttention
 from gpt2kimi.backbone import BackboneConfig, LanguageModel, count_parameters
 from gpt2kimi.configs import MoEConfig
 from gpt2kimi.data import fixed_val_batches, lm_batches, load_corpus
-from gpt2kimi.experiments.sweep import map_jobs
 from gpt2kimi.moe import AuxLossWrapper, MoE, dense_equivalent, moe_layers
 from gpt2kimi.train import TrainConfig, train
 
@@ -198,44 +193,3 @@ def active_parameters(model, settings: MoETrainSettings) -> int:
     unused = settings.n_experts - settings.top_k
     per_expert = 3 * settings.d_model * settings.expert_hidden
     return count_parameters(model) - len(moe_layers(model)) * unused * per_expert
-
-
-def _run_job(job: tuple[str, dict]) -> dict:
-    variant, settings = job
-    return run_variant(variant, MoETrainSettings(**settings))
-
-
-def moe_train_sweep(
-    variants: list[str], settings: MoETrainSettings, jobs: int = 2, log=None
-) -> dict:
-    """Run every variant (``jobs`` single-threaded workers); return the JSON-ready results."""
-    start = time.perf_counter()
-    results = map_jobs(_run_job, [(v, asdict(settings)) for v in variants], jobs, log)
-    return {
-        "settings": {
-            **asdict(settings),
-            "variants": variants,
-            "jobs": jobs,
-            "seconds": round(time.perf_counter() - start, 1),
-        },
-        "results": results,
-    }
-
-
-def format_table(sweep: dict) -> str:
-    """One row per variant: final validation loss, parameters, load imbalance at the end."""
-    lines = [f"{'variant':<10}{'val loss':>10}{'params':>10}{'active':>10}{'max/mean load':>15}"]
-    for r in sweep["results"]:
-        imb = r.get("load_imbalance")
-        tail = "-" if imb is None else f"{sum(imb[-50:]) / len(imb[-50:]):.2f}"
-        lines.append(
-            f"{r['variant']:<10}{r['final_val_loss']:>10.4f}{r['parameters']:>10,}"
-            f"{r['active_parameters']:>10,}{tail:>15}"
-        )
-    return "\n".join(lines)
-
-
-def dumps(sweep: dict) -> str:
-    """JSON with one key per line but every list of numbers on one line (a compact file)."""
-    text = json.dumps(sweep, indent=1)
-    return re.sub(r"\[[\d\s.,eE+-]*\]", lambda m: re.sub(r"\s+", "", m.group(0)), text)

@@ -18,7 +18,9 @@ import torch
 from torch import Tensor
 
 from gpt2kimi.ops.utils import (
+    check_operator_inputs,
     chunk_recurrence,
+    compute_dtype,
     masked_exp,
     merge_chunks,
     operator_inputs,
@@ -158,3 +160,44 @@ def chunk_kda(
 
     o, S = chunk_recurrence(prepare, (q, k, v, g, beta), S)
     return merge_chunks(o, T).to(out_dtype), S
+
+
+def fused_recurrent_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    *,
+    check_decay: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """:func:`recurrent_kda` with fewer, fused passes over the memory: the form a decoder runs
+    for each new token (fla's name for its recurrent kernel).
+
+    Per token: one pass decays the memory into a new tensor (the caller's state is never
+    written), a batched matrix-vector product reads ``v_old``, one in-place ``baddbmm`` writes
+    ``β (v − v_old)`` along k, and a matrix-vector product reads the output out. The definition
+    needs five passes and three ``einsum`` permutes for the same step. ``check_decay=False``
+    skips the reduction that checks g <= 0 (the layer's forget gate is <= 0 by construction).
+    Shapes and return value as :func:`recurrent_kda`; equal to it up to rounding.
+    """
+    check_operator_inputs(
+        q, k, v, gk=g, beta=beta, initial_state=initial_state, check_decay=check_decay
+    )
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    out_dtype, dtype = q.dtype, compute_dtype(q)
+    scale = K**-0.5 if scale is None else scale
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    alpha = g.exp()[..., None]  # [B, T, H, K, 1]: row t of the memory decays by α_t
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dtype)
+    o = q.new_empty(B, T, H, V)
+    for t in range(T):
+        S = (S * alpha[:, t]).contiguous()  # Diag(α_t) S_{t−1}, a fresh tensor
+        k_t = k[:, t].unsqueeze(-2)  # [B, H, 1, K]
+        error = (v[:, t].unsqueeze(-2) - k_t @ S) * beta[:, t, :, None, None]  # [B, H, 1, V]
+        S.view(B * H, K, V).baddbmm_(k_t.reshape(B * H, K, 1), error.reshape(B * H, 1, V))
+        o[:, t] = (q[:, t].unsqueeze(-2) @ S).squeeze(-2) * scale
+    return o.to(out_dtype), S

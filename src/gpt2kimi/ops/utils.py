@@ -51,13 +51,21 @@ def check_log_decay(g: Tensor) -> None:
 
 
 def check_operator_inputs(
-    q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int | None = None, **inputs: Tensor | None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    chunk_size: int | None = None,
+    check_decay: bool = True,
+    **inputs: Tensor | None,
 ) -> None:
     """Raise ``ValueError`` naming the expected shape when an operator's inputs do not fit.
 
     q, k: [B, T, H, K] with T >= 1; v: [B, T, H, V]; the optional ``inputs`` by their names in
     :data:`LAYOUTS` (beta [B, T, H], g [B, T, H], gk [B, T, H, K], initial_state [B, H, K, V]);
-    log-decays finite and <= 0 (:func:`check_log_decay`); chunk_size a positive integer.
+    log-decays finite and <= 0 (:func:`check_log_decay`, skipped with ``check_decay=False``:
+    a reduction over g that a decoder whose gates are <= 0 by construction need not pay for
+    every token); chunk_size a positive integer.
     """
     if q.dim() != 4:
         raise ValueError(f"q must have shape [B, T, H, K], got {list(q.shape)}")
@@ -80,7 +88,7 @@ def check_operator_inputs(
             )
         if name == "v":
             sizes["V"] = v.shape[-1]
-        if name in LOG_DECAYS:
+        if name in LOG_DECAYS and check_decay:
             check_log_decay(x)
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
