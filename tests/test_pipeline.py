@@ -65,7 +65,7 @@ TINY = {
 # the results file whose records each task's must match, and a record of the same kind in it
 TODAYS_FILE = {
     "mqar": ("capacity_linear.jsonl", {"mixer": "linear"}),
-    "rewrite": ("forget_stale.jsonl", {"mixer": "kda"}),
+    "rewrite": ("forget_stale_delta.jsonl", {"mixer": "kda"}),
     "lm_moe": ("lm_moe.jsonl", {"variant": "moe_bias"}),
     "lm_moe_fixed": ("lm_moe.jsonl", {"variant": "moe_bias"}),
     "lm_hybrid_ablation": ("lm_hybrid_baselines.jsonl", {"model": "gpt2"}),
@@ -396,6 +396,38 @@ def test_check_passes_a_current_file_and_fails_a_stale_or_unregistered_one(
     assert results.entry_status(other, tmp_path).startswith("stale: seeds [0]")
     main(["list", "--data", str(tmp_path)])
     assert "python -m gpt2kimi.experiments run tiny" in capsys.readouterr().out
+
+
+def test_split_divides_a_file_as_the_registry_divides_its_grid(tmp_path, monkeypatch, capsys):
+    grid = tiny_mqar_grid(3)
+    whole = ResultsEntry("tiny", "mqar", grid, (0, 1), "a tiny sweep", "-", 0.1)
+    monkeypatch.setattr(results, "REGISTRY", {"tiny": whole})
+    main(["run", "tiny", "--jobs", "1", "--data", str(tmp_path)])
+    before = {json.dumps(line, sort_keys=True) for line in record_lines(tmp_path / "tiny.jsonl")}
+    with pytest.raises(SystemExit, match="no missing file"):  # the registry divides nothing
+        main(["split", "tiny", "--data", str(tmp_path)])
+
+    first = replace(whole, grid=grid[:1])
+    rest = replace(whole, name="tiny_rest", grid=grid[1:])
+    monkeypatch.setattr(results, "REGISTRY", {"tiny": first, "tiny_rest": rest})
+    main(["split", "tiny", "--data", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "tiny.jsonl: 2 runs; current" in out and "tiny_rest.jsonl: 4 runs; current" in out
+    parts = [record_lines(tmp_path / name) for name in ("tiny.jsonl", "tiny_rest.jsonl")]
+    assert {json.dumps(line, sort_keys=True) for part in parts for line in part} == before
+    assert [line["settings"]["num_pairs"] for line in parts[0]] == [1, 1]
+    lines = [json.loads(line) for line in (tmp_path / "tiny_rest.jsonl").read_text().splitlines()]
+    assert lines[-1]["split"]["from"] == "tiny.jsonl" and lines[-1]["split"]["points"] == 2
+    assert lines[0]["code"] == json.loads((tmp_path / "tiny.jsonl").read_text().split("\n")[0])[
+        "code"]  # the same code vouches for both parts
+
+    # a part the file cannot give, or a file that would keep points of no entry: refused
+    monkeypatch.setattr(results, "REGISTRY", {"tiny": first, "tiny_more": replace(
+        whole, name="tiny_more", grid=tiny_mqar_grid(4)[3:])})
+    with pytest.raises(SystemExit, match="no missing file"):
+        main(["split", "tiny", "--data", str(tmp_path)])
+    with pytest.raises(ResultsFileError, match="exists already"):
+        pipeline.split(tmp_path / "tiny_rest.jsonl", {tmp_path / "tiny.jsonl": []})
 
 
 def _recorded_by_other_code(path: Path) -> None:
@@ -737,3 +769,14 @@ def test_measured_minutes_sum_the_runs_own_clocks(tmp_path):
     assert measured_minutes(path) == pytest.approx(sum(seconds) / 2 / 60)
     assert measured_minutes(path, parallel=1) == pytest.approx(sum(seconds) / 60)
     assert measured_minutes(tmp_path / "missing.jsonl") is None
+
+
+def test_every_results_file_records_within_the_hour_on_two_cores():
+    """The budget: each file's runs, by their own clocks, take at most 60 minutes on two cores
+    (two single-threaded runs at once), and the registry's estimate says so too."""
+    from gpt2kimi.experiments.results import measured_minutes
+
+    for entry in REGISTRY.values():
+        assert entry.minutes <= 60, entry.name
+        measured = measured_minutes(DATA / entry.path)
+        assert measured is not None and measured <= 60, (entry.name, measured)

@@ -30,3 +30,19 @@ def test_summary_rows_say_whether_the_target_is_met():
     assert [r.met for r in table] == [True, False]
     text = format_rows(table)
     assert text.splitlines()[1].endswith("yes") and text.splitlines()[2].endswith("no")
+
+
+def test_step_operations_counts_every_call_of_one_decode_step():
+    import torch
+
+    from gpt2kimi.experiments.hybrid_speed import dispatch_floor, step_operations
+
+    model = torch.nn.Linear(3, 3)  # not a language model: no cache, so it cannot decode
+    with pytest.raises(AttributeError):
+        step_operations(model)
+    from gpt2kimi.attention import GPT2WithCache
+
+    gpt = GPT2WithCache(TINY).eval()
+    calls = step_operations(gpt, context=4)
+    assert calls == step_operations(gpt, context=8) > 10  # a count, the same at any context
+    assert dispatch_floor(10, rounds=1) > 0

@@ -6,7 +6,10 @@ reference's, their ratio and the target the library aims for.
 Rows (each measured side by side in interleaved rounds, on the same weights):
 
 - MoE forward against ``transformers``' eager ``KimiLinearMoE`` (4,096 tokens, d 256, 64
-  experts of 128, top-8, one shared), :func:`gpt2kimi.experiments.moe_speed.moe_speed`;
+  experts of 128, top-8, one shared), :func:`gpt2kimi.experiments.moe_speed.moe_speed`, and
+  both against a dense SwiGLU of the same active size: a dispatch cannot beat one dense matrix
+  product of the same arithmetic, so ``transformers``' time over the dense layer's is the most
+  the library's lead can be;
 - the tiny hybrid's greedy generation against ``transformers``' ``KimiLinearForCausalLM``
   (a 256-token prompt included), :func:`gpt2kimi.experiments.hybrid_speed.against_transformers`;
 - GPT-2 small's cached greedy decode against ``transformers``' ``generate``, and its tokens
@@ -58,6 +61,14 @@ def rows(rounds: int = 3, quick: bool = False) -> list[Row]:
         out.append(Row("MoE forward vs transformers KimiLinearMoE (eager)",
                        f"{s['moe'] * 1e3:.1f} ms", f"{s['transformers'] * 1e3:.1f} ms",
                        s["transformers"] / s["moe"], 2.0))
+        # the roof: no dispatch beats one dense product of the same arithmetic, so the lead
+        # over transformers is bounded by its time over the dense layer's
+        out.append(Row("  the same vs a dense SwiGLU of equal active size (its roof)",
+                       f"{s['moe'] * 1e3:.1f} ms", f"{s['dense'] * 1e3:.1f} ms",
+                       s["dense"] / s["moe"], 0.85))
+        out.append(Row("  transformers' MoE vs that dense layer (the most a lead can be)",
+                       f"{s['transformers'] * 1e3:.1f} ms", f"{s['dense'] * 1e3:.1f} ms",
+                       s["transformers"] / s["dense"], 2.0))
     gen = against_transformers(prompt_len=32 if quick else 256, new_tokens=8 if quick else 32,
                                rounds=rounds)
     out.append(Row("hybrid generate vs transformers KimiLinearForCausalLM",

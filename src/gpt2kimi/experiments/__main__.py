@@ -10,7 +10,8 @@ again without being recorded anew; ``--against-recorded-code``: compares with th
 recorded code, taken from git, on this machine, rather than with the file's numbers, which
 another machine's floating point may not give), ``rehash [NAME ...]`` (gives a file recorded
 before AST hashes existed the AST hash of its recorded code, from git, without training: then an
-edit of docstrings or comments leaves it current).
+edit of docstrings or comments leaves it current), ``split NAME`` (divides a file as the
+registry now divides its grid, so that each part records within the hour).
 
 The timing benchmarks are ``python -m gpt2kimi.bench``.
 """
@@ -201,12 +202,34 @@ def rehash_main(argv: list[str]) -> None:
         raise SystemExit(f"not rehashed: {' '.join(failed)}")
 
 
+def split_main(argv: list[str]) -> None:
+    """``split NAME``: once the registry divides an entry's grid among new entries (a file that
+    takes too long to record, say), divide its file the same way: the runs of the points of
+    every new entry whose file is missing move into that file, with the lines that vouch for
+    them; nothing is trained. Exit 1 if nothing would move or the file would keep points that
+    are not NAME's."""
+    p = argparse.ArgumentParser(prog="python -m gpt2kimi.experiments split",
+                                description=split_main.__doc__)
+    p.add_argument("name", choices=sorted(results.REGISTRY), metavar="NAME")
+    _data_arg(p)
+    args = p.parse_args(argv)
+    data = args.data or results.default_data_dir()
+    try:
+        counts = results.split_by_registry(args.name, data)
+    except (OSError, ValueError, ResultsFileError) as error:
+        raise SystemExit(str(error)) from None
+    for path, runs in counts.items():
+        status = results.entry_status(results.REGISTRY[path.stem], data)
+        print(f"{path.name}: {runs} runs; {status}")
+
+
 COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "list": list_main,
     "run": run_main,
     "check": check_main,
     "verify": verify_main,
     "rehash": rehash_main,
+    "split": split_main,
 }
 
 

@@ -5,8 +5,10 @@ with random numbers to a growing context (the speed of a step does not depend on
 holds): the Kimi-Linear-style hybrid (KDA ×3 + MLA, :data:`BENCH_CONFIG`), the same model with
 MLA in every layer, and with chapter 2's multi-head softmax attention in every layer
 (:func:`decode_sweep`). :func:`against_transformers` times the same tiny hybrid generating with
-this library and with ``transformers``' ``KimiLinearForCausalLM`` on the same weights.
-``python -m gpt2kimi.bench hybrid`` prints both.
+this library and with ``transformers``' ``KimiLinearForCausalLM`` on the same weights, and
+:func:`step_operations` counts the PyTorch operations one decode step runs and
+:func:`dispatch_floor` times as many calls of an operator that does next to nothing.
+``python -m gpt2kimi.bench hybrid`` prints both timings.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpt2kimi.attention import SoftmaxAttention
 from gpt2kimi.backbone import LanguageModel
@@ -144,3 +147,43 @@ def against_transformers(
     t_ours, t_theirs = best["ours"], best["theirs"]
     return {"ours_s": t_ours, "transformers_s": t_theirs, "same_tokens": same,
             "prompt_len": prompt_len, "new_tokens": new_tokens}
+
+
+class _CountOperations(TorchDispatchMode):
+    """Counts every operator call dispatched while active (views and reshapes included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@torch.no_grad()
+def step_operations(model: nn.Module, context: int = 32, batch: int = 1) -> int:
+    """How many PyTorch operator calls one greedy decode step of ``model`` runs after
+    ``context`` cached tokens: each is dispatched, checked and launched on its own, however
+    little arithmetic it does, so at batch 1 their number sets a floor under the step's time."""
+    cache = model.new_cache(batch, context + 1)
+    fill_cache(cache, context, torch.Generator().manual_seed(0))
+    token = torch.zeros(batch, 1, dtype=torch.long)
+    with _CountOperations() as counter:
+        model(token, cache=cache)
+    return counter.calls
+
+
+def dispatch_floor(calls: int, rounds: int = 5) -> float:
+    """Seconds that ``calls`` calls of an operator doing next to nothing (adding 0 to a single
+    number) take, the fastest of ``rounds``: what a step's operator calls cost before any of
+    them computes."""
+    x = torch.zeros(1)
+
+    def run() -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            torch.add(x, 0)
+        return time.perf_counter() - start
+
+    return min(run() for _ in range(rounds))

@@ -18,6 +18,10 @@ results file: one header line, then one line per finished run::
                                                                 the same task, seeds and code)
     {"rehashed": {"from": "<hash>", "ast_hash": "...", ...}}   (:func:`rehash`: the AST hash
                                                                 of the sources of that hash)
+    {"split": {"from": "NAME.jsonl", "points": n, "at": ...}}  (:func:`split`: the runs of
+                                                                these points came from a file
+                                                                now divided; "into": [...] in
+                                                                the file they left)
 
 Why lines: a run is on disk the moment it ends, so a killed or crashed sweep loses only the
 runs in flight, and a re-run skips every run already in the file (same settings and seed). A
@@ -1162,3 +1166,68 @@ def _rehash_lines(
         say(f"{path.name}: {recorded}: sources found at {commit[:12]}; AST hash "
             f"{ast_hash[:12]}")
     return added
+
+
+# ----------------------------------------------------------------------------------------------
+# dividing a file
+
+
+def split(path: str | Path, parts: dict[str | Path, Sequence[dict]]) -> dict[Path, int]:
+    """Move the runs of some grid points of the results file ``path`` into new files.
+
+    ``parts`` maps each new file to its points (full settings, each a point of the file's grid
+    and of one part only). A new file gets the header of ``path`` with its grid cut to its
+    points (``grid_added`` lines likewise), the runs of those points, every session,
+    verification and AST-hash line (the code that vouched for the whole vouches for each part),
+    and a line ``{"split": {"from": NAME, "points": n, "at": ...}}``; ``path`` keeps the other
+    points and runs, with a ``split`` line naming the new files. Nothing is trained or dropped:
+    each run ends up in exactly one file. :class:`ResultsFileError` for a point not in the file
+    or in two parts, a new file that exists already, a file cut short or in use. Returns the
+    runs each file holds now."""
+    path = Path(path)
+    wanted = {Path(p): [_point_key(s) for s in points] for p, points in parts.items()}
+    with path.open("rb+") as f:
+        _lock(f)  # no sweep appends meanwhile
+        lines, good_end = _read_lines(path)
+        if good_end != path.stat().st_size:
+            raise ResultsFileError(f"{path}: its last line is cut short; resume its sweep first")
+        grid = {_point_key(p) for p in _file_header(lines)["grid"]}
+        owner: dict[str, Path] = {}
+        for new, keys in wanted.items():
+            if new.exists() or new.resolve() == path.resolve():
+                raise ResultsFileError(f"{new}: exists already; a split writes new files only")
+            for key in keys:
+                if key not in grid:
+                    raise ResultsFileError(f"{path}: has no grid point {key}")
+                if owner.setdefault(key, new) != new:
+                    raise ResultsFileError(f"{key}: a point of both {owner[key]} and {new}")
+        counts = {}
+        at = _now()
+        for out, keep in [*((new, set(keys)) for new, keys in wanted.items()),
+                          (path, grid - set(owner))]:
+            note = ({"from": path.name} if out != path else
+                    {"into": sorted(p.name for p in wanted)})
+            kept = _lines_of_points(lines, keep) + [
+                {"split": {**note, "points": len(keep), "at": at}}]
+            counts[out] = sum("record" in line for line in kept)
+            tmp = out.with_name(out.name + ".split-tmp")
+            tmp.write_text("".join(json.dumps(line) + "\n" for line in kept))
+            os.replace(tmp, out)
+    return counts
+
+
+def _lines_of_points(lines: list[dict], keep: set[str]) -> list[dict]:
+    """A file's lines cut to the grid points ``keep``: the header's grid, ``grid_added``
+    lines (dropped when none of theirs is left) and runs; every other line as it is."""
+    header = {**lines[0], "grid": [p for p in lines[0]["grid"] if _point_key(p) in keep]}
+    out = [header]
+    for line in lines[1:]:
+        if "record" in line and _point_key(line["settings"]) not in keep:
+            continue
+        if "grid_added" in line:
+            points = [p for p in line["grid_added"]["grid"] if _point_key(p) in keep]
+            if not points:
+                continue
+            line = {"grid_added": {**line["grid_added"], "grid": points}}
+        out.append(line)
+    return out

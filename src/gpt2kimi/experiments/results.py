@@ -15,6 +15,7 @@ the file, or its AST hash does (the same code, docstrings and comments aside:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from gpt2kimi.experiments.pipeline import (
     read_results,
     run_lines,
     same_grid,
+    split,
     task_code_ast_hash,
     task_code_hash,
 )
@@ -106,6 +108,11 @@ def _options(mixers: list[str], head_dim: int) -> list[dict]:
     return [{"mixer": m, "mixer_options": {m: {"head_dim": head_dim}}} for m in mixers]
 
 
+def _only(grid: list[dict], mixers: list[str]) -> list[dict]:
+    """The points of ``grid`` whose mixer is one of ``mixers``, in the grid's order."""
+    return [point for point in grid if point["mixer"] in mixers]
+
+
 def _stale_grid(task: dict) -> list[dict]:
     """The stale-bindings grid: softmax attention and every fixed memory (4 x 4 per head), with
     and without a forget gate, at 4 rates, and two more beyond the end where the 6x run's best
@@ -119,34 +126,56 @@ def _stale_grid(task: dict) -> list[dict]:
                for p in _points(**task, train_lr=HIGH_LRS)])
 
 
+# the delta rules' grids as recorded, before they were divided by mixer
+_FULL_DELTA = [{**m, **p} for m in _options(DELTA_RULES, 32)
+               for p in _points(num_pairs=[2, 4, 8], train_lr=LRS)]
+_NARROW = ([{**m, **p} for m in _options(["linear", "deltanet", "deltanet_additive"], 4)
+            for p in _points(num_pairs=[2, 4, 8], train_lr=LRS)]
+           + [{**m, **p} for m in _options(["deltanet", "deltanet_additive"], 4)
+              for p in _points(num_pairs=[2, 4, 8], train_lr=LOW_LRS)])
+_NARROW_GATED = [{**m, **p} for m in _options(["gated_deltanet", "kda"], 4)
+                 for p in _points(num_pairs=[2, 4, 8], train_lr=LRS + LOW_LRS)]
+# stale bindings, divided likewise: softmax attention and the additive memories, then the
+# delta rules
+_STALE_ADDITIVE = ["softmax", "linear", "gated_linear"]
+_STALE_DELTA = ["deltanet", "gated_deltanet", "kda", "kda_no_forget"]
+_STALE_LONG_GRID = (_stale_grid(STALE_LONG)
+                    # gated linear attention's best rate sat at the top of its grid: two more
+                    + [{**m, **p} for m in _options(["gated_linear"], 4)
+                       for p in _points(**STALE_LONG, train_lr=HIGH_LRS)])
+
 ENTRIES: list[ResultsEntry] = [
     ResultsEntry(
         "capacity_linear", "mqar",
         _points(mixer=["softmax", "linear", "linear_elu"], num_pairs=[2, 4, 8], train_lr=LRS),
         SEEDS, "MQAR recall against pairs: softmax attention (exact) and linear attention "
         "(identity and elu+1 feature maps), each at 4 learning rates", "3, 4", 35),
+    # the delta rules at full width and shrunk, each file within the hour: every grid below
+    # was recorded as one of three files and divided by mixer (`split`), runs untouched
     ResultsEntry(
-        "capacity_delta", "mqar",
-        [{**m, **p} for m in _options(DELTA_RULES, 32)
-         for p in _points(num_pairs=[2, 4, 8], train_lr=LRS)],
-        SEEDS, "MQAR recall against pairs of the delta rules (DeltaNet, Gated DeltaNet, KDA) "
-        "with a full 32-wide memory per head, each at 4 learning rates", "4, 5", 82),
+        "capacity_delta", "mqar", _only(_FULL_DELTA, ["deltanet"]),
+        SEEDS, "MQAR recall against pairs of DeltaNet with a full 32-wide memory per head, at 4 "
+        "learning rates", "4, 5", 32),
     ResultsEntry(
-        "capacity_narrow", "mqar",
-        [{**m, **p} for m in _options(["linear", "deltanet", "deltanet_additive"], 4)
-         for p in _points(num_pairs=[2, 4, 8], train_lr=LRS)]
-        + [{**m, **p} for m in _options(["deltanet", "deltanet_additive"], 4)
-           for p in _points(num_pairs=[2, 4, 8], train_lr=LOW_LRS)],
+        "capacity_delta_gated", "mqar", _only(_FULL_DELTA, ["gated_deltanet", "kda"]),
+        SEEDS, "MQAR recall against pairs of the gated delta rules (Gated DeltaNet, KDA) with a "
+        "full 32-wide memory per head, each at 4 learning rates", "5, 8", 50),
+    ResultsEntry(
+        "capacity_narrow", "mqar", _only(_NARROW, ["linear", "deltanet"]),
         SEEDS, "MQAR recall against pairs with the fixed memories shrunk to 4 x 4 per head: "
-        "linear attention (4 learning rates), DeltaNet, and DeltaNet's layer with an additive "
-        "update (6 rates, down to 2e-4)", "4", 70),
+        "linear attention (4 learning rates) and DeltaNet (6 rates, down to 2e-4)", "4, 5", 47),
     ResultsEntry(
-        "capacity_narrow_gated", "mqar",
-        [{**m, **p} for m in _options(["gated_deltanet", "kda"], 4)
-         for p in _points(num_pairs=[2, 4, 8], train_lr=LRS + LOW_LRS)],
-        SEEDS, "MQAR recall against pairs of the gated delta rules (Gated DeltaNet, KDA) with "
-        "their memories shrunk to 4 x 4 per head, each at 6 learning rates (2e-4 to 1e-2)",
-        "5", 50),
+        "capacity_narrow_additive", "mqar", _only(_NARROW, ["deltanet_additive"]),
+        SEEDS, "MQAR recall against pairs of DeltaNet's layer with an additive update, its "
+        "memory shrunk to 4 x 4 per head, at 6 learning rates (2e-4 to 1e-2)", "4", 22),
+    ResultsEntry(
+        "capacity_narrow_gated", "mqar", _only(_NARROW_GATED, ["gated_deltanet"]),
+        SEEDS, "MQAR recall against pairs of Gated DeltaNet with its memory shrunk to 4 x 4 per "
+        "head, at 6 learning rates (2e-4 to 1e-2)", "5", 29),
+    ResultsEntry(
+        "capacity_narrow_kda", "mqar", _only(_NARROW_GATED, ["kda"]),
+        SEEDS, "MQAR recall against pairs of KDA with its memory shrunk to 4 x 4 per head, at 6 "
+        "learning rates (2e-4 to 1e-2)", "5, 8", 36),
     ResultsEntry(
         "capacity_ablations", "mqar",
         _points(mixer=["deltanet_additive", "kda_no_forget"], num_pairs=8, train_lr=LRS),
@@ -158,8 +187,8 @@ ENTRIES: list[ResultsEntry] = [
         + [{"mixer": "mla", "mixer_options": {"mla": {"kv_lora_rank": r}}, **p}
            for r in [2, 4, 8] for p in _points(num_pairs=8, train_lr=LRS)],
         SEEDS, "MQAR recall of MLA against pairs, and at 8 pairs with its latent cut to 2, 4, "
-        "8 (the default: 27), each at 4 learning rates", "6", 31),
-    # chapter 8's recall test in two files of about an hour: the overflowing KDA with and
+        "8 (the default: 27), each at 4 learning rates", "6", 33),
+    # chapter 8's recall test in two files: the overflowing KDA with and
     # without one MLA layer, then the two bounds (KDA at full width, MLA throughout)
     ResultsEntry(
         "capacity_hybrid", "mqar",
@@ -172,57 +201,69 @@ ENTRIES: list[ResultsEntry] = [
            for p in _points(num_pairs=8, n_layer=4, train_lr=LOW_LRS)],
         SEEDS, "MQAR recall of 4 layers at 8 pairs: KDA with an overflowing memory (head_dim 4) "
         "throughout, and the 3:1 hybrid of it with one MLA layer, each at 6 learning rates", "8",
-        75),
+        39),
     ResultsEntry(
         "capacity_hybrid_full", "mqar",
         _points(mixer="hybrid", num_pairs=[2, 4, 8], train_lr=LRS),
         SEEDS, "MQAR recall against pairs of chapter 3's two layers as a hybrid: KDA (full "
         "32-wide memory), then MLA, at 4 learning rates (the two pure forms are in "
-        "capacity_delta and capacity_mla)", "8", 25),
+        "capacity_delta and capacity_mla)", "8", 21),
     ResultsEntry(
         "capacity_hybrid_bounds", "mqar",
         [{"mixer": mix, "mixer_options": {}, **p}
          for mix in ["kda,kda,kda,kda", "mla,mla,mla,mla"]
          for p in _points(num_pairs=8, n_layer=4, train_lr=LRS)],
         SEEDS, "the bounds of capacity_hybrid: 4 layers of KDA at full width (head_dim 32) and "
-        "of MLA, at 8 pairs, each at 4 learning rates", "8", 60),
+        "of MLA, at 8 pairs, each at 4 learning rates", "8", 22),
     ResultsEntry(
-        "forget_stale", "rewrite", _stale_grid(STALE),
+        "forget_stale", "rewrite", _only(_stale_grid(STALE), _STALE_ADDITIVE),
         SEEDS, "stale bindings: 4 keys rewritten again and again in 64 tokens (about 25 "
-        "writes, 6x a 4-wide memory), with and without forget gates, each at 4 to 6 learning "
-        "rates", "5", 60),
+        "writes, 6x a 4-wide memory): softmax attention, linear attention with and without a "
+        "forget gate, each at 4 to 6 learning rates", "5", 16),
     ResultsEntry(
-        "forget_stale_long", "rewrite", _stale_grid(STALE_LONG)
-        # gated linear attention's best rate sat at the top of its grid: two more above it
-        + [{**m, **p} for m in _options(["gated_linear"], 4)
-           for p in _points(**STALE_LONG, train_lr=HIGH_LRS)],
+        "forget_stale_delta", "rewrite", _only(_stale_grid(STALE), _STALE_DELTA),
+        SEEDS, "the stale bindings of forget_stale for the delta rules: DeltaNet, Gated "
+        "DeltaNet, KDA with and without its forget gate, each at 6 learning rates", "5", 45),
+    ResultsEntry(
+        "forget_stale_long", "rewrite", _only(_STALE_LONG_GRID, _STALE_ADDITIVE),
         SEEDS, "stale bindings over streams twice as long: 128 tokens, about 49 writes, 12x a "
-        "4-wide memory; the mixers and rates of forget_stale", "5", 65),
+        "4-wide memory; the mixers and rates of forget_stale", "5", 28),
+    ResultsEntry(
+        "forget_stale_long_delta", "rewrite", _only(_STALE_LONG_GRID, _STALE_DELTA),
+        SEEDS, "the 128-token stale bindings of forget_stale_long for the delta rules, at the "
+        "rates of forget_stale_delta", "5", 36),
 ]
 # byte-level language models (chapters 7 and 8): 1,500 steps, three seeds, the whole validation
 # split in fixed windows, four rates over a 10x range (evenly spaced in log; a 300-step pilot
 # put every model's best inside). The rates run outermost, the pilot's best first, so that a
 # sweep cut short holds whole rates.
 LM_LRS = [4.64e-3, 2.15e-3, 1e-2, 1e-3]
+# the hybrid with experts and with a dense feed-forward, recorded as one file and divided
+_FFN_GRID = expand_grid({"lr": LM_LRS, "model": ["3:1", "3:1_dense"]})
 
 ENTRIES += [
-    # chapter 8's language models, in three files of at most about an hour on two cores
+    # chapter 8's language models, in files of at most about half an hour on two cores
     # (KDA's chunk form is the slow part on a CPU: a 3:1 run takes about 5 minutes, GPT-2's 1)
     ResultsEntry(
         "lm_hybrid_baselines", "lm_hybrid_ablation",
         {"lr": LM_LRS, "model": ["gpt2", "gpt2_conv", "0:1"]},
         SEEDS, "byte LM, 1,500 steps: GPT-2, GPT-2 with the hybrid's short convolution, and the "
-        "hybrid's layout with MLA in every layer (0:1), each at 4 learning rates", "8", 21),
+        "hybrid's layout with MLA in every layer (0:1), each at 4 learning rates", "8", 32),
     ResultsEntry(
         "lm_hybrid_ffn", "lm_hybrid_ablation",
-        {"lr": LM_LRS, "model": ["3:1", "3:1_dense"]},
-        SEEDS, "byte LM, 1,500 steps: the 3:1 KDA:MLA hybrid with experts and with a dense "
-        "feed-forward of equal active parameters, each at 4 learning rates", "8", 57),
+        [p for p in _FFN_GRID if p["model"] == "3:1"],
+        SEEDS, "byte LM, 1,500 steps: the 3:1 KDA:MLA hybrid with experts, at 4 learning rates",
+        "8", 33),
+    ResultsEntry(
+        "lm_hybrid_dense", "lm_hybrid_ablation",
+        [p for p in _FFN_GRID if p["model"] == "3:1_dense"],
+        SEEDS, "byte LM, 1,500 steps: the 3:1 hybrid with a dense feed-forward of lm_hybrid_ffn's "
+        "active parameters instead of experts, at 4 learning rates", "8", 29),
     ResultsEntry(
         "lm_hybrid_ratios", "lm_hybrid_ablation",
         {"lr": LM_LRS, "model": ["1:1", "all-KDA"]},
         SEEDS, "byte LM, 1,500 steps: the hybrid's other KDA:MLA ratios (1:1 and KDA in every "
-        "layer), each at 4 learning rates", "8", 60),
+        "layer), each at 4 learning rates", "8", 32),
     ResultsEntry(
         "lm_hybrid_live", "lm_hybrid_ablation",
         {"model": ["gpt2"], "lr": [LM_LRS[0]], "steps": [150], "eval_interval": [150]},
@@ -239,6 +280,36 @@ ENTRIES += [
         (0,), "the live subset chapter 7 re-runs: dense and moe_bias, 150 steps, seed 0", "7", 1),
 ]
 REGISTRY: dict[str, ResultsEntry] = {entry.name: entry for entry in ENTRIES}
+
+
+def split_by_registry(name: str, data_dir: Path) -> dict[Path, int]:
+    """Divide the file of entry ``name`` as the registry now divides its grid: the points that
+    belong to other entries of the same task and seeds whose files are missing move into those
+    files (:func:`~gpt2kimi.experiments.pipeline.split`), and what stays must be ``name``'s
+    grid. ``ValueError`` if nothing would move or the file would keep points of no entry."""
+    entry = REGISTRY[name]
+    path = data_dir / entry.path
+    header, _ = read_results(path)
+    have = {_key(p) for p in header["grid"]}
+    parts = {}
+    for other in REGISTRY.values():
+        if (other.name == name or other.task != entry.task or other.seeds != entry.seeds
+                or (data_dir / other.path).exists()):
+            continue
+        points = other.settings_grid()
+        if points and all(_key(p) in have for p in points):
+            parts[data_dir / other.path] = points
+    if not parts:
+        raise ValueError(f"{entry.path}: no missing file of the registry takes any of its points")
+    moving = {_key(p) for points in parts.values() for p in points}
+    if not same_grid([p for p in header["grid"] if _key(p) not in moving],
+                     entry.settings_grid()):
+        raise ValueError(f"{entry.path}: after the split its grid would not be {name}'s")
+    return split(path, parts)
+
+
+def _key(point: dict) -> str:
+    return json.dumps(point, sort_keys=True)
 
 
 def measured_minutes(path: Path, parallel: int = 2) -> float | None:

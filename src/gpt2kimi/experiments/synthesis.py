@@ -163,8 +163,8 @@ BOOK_MIXERS: tuple[Mixer, ...] = (
     Mixer("softmax (MHA)", 2, "capacity_linear", "softmax"),
     Mixer("linear attention", 3, "capacity_linear", "linear"),
     Mixer("DeltaNet", 4, "capacity_delta", "deltanet", 32),
-    Mixer("Gated DeltaNet", 5, "capacity_delta", "gated_deltanet", 32),
-    Mixer("KDA", 5, "capacity_delta", "kda", 32),
+    Mixer("Gated DeltaNet", 5, "capacity_delta_gated", "gated_deltanet", 32),
+    Mixer("KDA", 5, "capacity_delta_gated", "kda", 32),
     Mixer("MLA", 6, "capacity_mla", "mla"),
     Mixer("hybrid (KDA, MLA)", 8, "capacity_hybrid_full", "hybrid"),
 )
@@ -172,7 +172,7 @@ SHRUNK_MIXERS: tuple[Mixer, ...] = (
     Mixer("linear attention", 4, "capacity_narrow", "linear", 4),
     Mixer("DeltaNet", 4, "capacity_narrow", "deltanet", 4),
     Mixer("Gated DeltaNet", 5, "capacity_narrow_gated", "gated_deltanet", 4),
-    Mixer("KDA", 5, "capacity_narrow_gated", "kda", 4),
+    Mixer("KDA", 5, "capacity_narrow_kda", "kda", 4),
     Mixer("KDA, 4 layers", 8, "capacity_hybrid", "kda,kda,kda,kda", 4),
     Mixer("hybrid (3 KDA, MLA)", 8, "capacity_hybrid", "kda,kda,kda,mla", 4),
 )
