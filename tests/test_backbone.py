@@ -214,6 +214,28 @@ def test_decoding_with_a_cache_equals_one_pass_and_counts_positions():
         model(x[:, :1], cache=cache)
 
 
+def test_a_decoded_token_reads_the_head_from_the_caches_copy():
+    """One decoded token's logits come from a [d, vocab] copy of the head that the cache makes
+    once and keeps; they equal lm_head's, and a step with gradients uses lm_head itself."""
+    torch.manual_seed(0)
+    model = LanguageModel(CFG, SoftmaxAttention).eval()
+    x = ids(T=6)
+    cache = model.new_cache(batch_size=2, max_len=6)
+    with torch.no_grad():
+        model(x[:, :4], cache=cache)
+        assert cache.head is None  # a prompt reads lm_head as it is
+        step = model(x[:, 4:5], cache=cache)
+        head = cache.head
+        assert head.shape == (CFG.d_model, CFG.vocab_size) and head.is_contiguous()
+        model(x[:, 5:6], cache=cache)
+        assert cache.head is head  # made once
+        full = model(x)
+    torch.testing.assert_close(step, full[:, 4:5], atol=1e-5, rtol=1e-5)
+    cache.reset()
+    model(x[:, :1], cache=cache).sum().backward()  # with gradients: through lm_head
+    assert model.lm_head.weight.grad is not None
+
+
 def test_an_empty_sequence_is_a_clear_error():
     from gpt2kimi.deltanet import DeltaNet
 

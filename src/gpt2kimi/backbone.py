@@ -347,6 +347,9 @@ class ModelCache:
 
     layers: list[BlockState]
     pos: int = 0
+    # the output head's weight as [d, vocab], made at the first decoded token
+    # (:meth:`LanguageModel.decode_logits`)
+    head: Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -545,7 +548,10 @@ class LanguageModel(nn.Module):
                 x, cache.layers[i] = block(x, cache.layers[i], return_state=True)
         if cache is not None:
             cache.pos += idx.size(1)
-        logits = self.lm_head(self.norm_f(x))
+        if cache is not None and idx.size(1) == 1 and not torch.is_grad_enabled():
+            logits = self.decode_logits(self.norm_f(x), cache)  # one decoded token
+        else:
+            logits = self.lm_head(self.norm_f(x))
         if targets is None:
             return logits
         if targets.shape != idx.shape:
@@ -554,6 +560,21 @@ class LanguageModel(nn.Module):
             )
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
         return logits, loss
+
+    def decode_logits(self, h: Tensor, cache: ModelCache) -> Tensor:
+        """The logits of one decoded token, h [B, 1, d] → [B, 1, vocab]: ``lm_head``'s product,
+        its weight read from a [d, vocab] copy that ``cache`` keeps (made at the first decoded
+        token, for as long as the cache lives).
+
+        A matrix-vector product reads a wide matrix faster in that layout than in
+        ``nn.Linear``'s [vocab, d], and at batch 1 the head is one long read (a third of GPT-2
+        small's weights); the copy costs the head's bytes once more while decoding.
+        """
+        weight, head = self.lm_head.weight, cache.head
+        if head is None or (head.dtype, head.device) != (weight.dtype, weight.device):
+            cache.head = weight.detach().t().contiguous()
+        logits = h @ cache.head
+        return logits if self.lm_head.bias is None else logits + self.lm_head.bias
 
 
 def residual_projection(module: nn.Module) -> nn.Linear | None:
