@@ -26,7 +26,7 @@ from gpt2kimi.configs import HybridConfig, KDAConfig, MLAConfig, MoEConfig
 from gpt2kimi.experiments.decoding import fill_cache
 from gpt2kimi.experiments.reference_speed import greedy_side_by_side
 from gpt2kimi.kimi_linear import KimiHybrid, make_ffn, to_hf_state_dict
-from gpt2kimi.timing import fastest_interleaved
+from gpt2kimi.timing import fastest_interleaved, timed
 
 # The book's tiny hybrid: 4 layers, KDA ×3 then MLA, a dense first feed-forward, then experts.
 BENCH_CONFIG = HybridConfig(
@@ -180,10 +180,8 @@ def dispatch_floor(calls: int, rounds: int = 5) -> float:
     them computes."""
     x = torch.zeros(1)
 
-    def run() -> float:
-        start = time.perf_counter()
+    def run() -> None:
         for _ in range(calls):
             torch.add(x, 0)
-        return time.perf_counter() - start
 
-    return min(run() for _ in range(rounds))
+    return fastest_interleaved({"floor": timed(run)}, rounds)["floor"]

@@ -406,19 +406,20 @@ def _file_header(lines: list[dict]) -> dict:
     return header
 
 
-def _point_key(settings: dict) -> str:
+def point_key(settings: dict) -> str:
+    """A grid point as a string: equal settings, equal keys (in any key order)."""
     return json.dumps(settings, sort_keys=True)
 
 
 def same_grid(a: Sequence[dict], b: Sequence[dict]) -> bool:
     """Whether two grids hold the same settings, in whatever order."""
-    return sorted(map(_point_key, a)) == sorted(map(_point_key, b))
+    return sorted(map(point_key, a)) == sorted(map(point_key, b))
 
 
 def added_points(grid: Sequence[dict], grown: Sequence[dict]) -> list[dict]:
     """The points of ``grown`` that ``grid`` lacks, in ``grown``'s order."""
-    have = {_point_key(p) for p in grid}
-    return [p for p in grown if _point_key(p) not in have]
+    have = {point_key(p) for p in grid}
+    return [p for p in grown if point_key(p) not in have]
 
 
 def missing_runs(path: str | Path) -> list[tuple[dict, int]]:
@@ -631,8 +632,8 @@ def _check_same_sweep(
                 f"{path} holds another sweep ({key} differs: file {old[key]!r}, asked "
                 f"{new[key]!r}); write a new file or pass restart=True"
             )
-    asked = {_point_key(p) for p in new["grid"]}
-    dropped = [p for p in old["grid"] if _point_key(p) not in asked]
+    asked = {point_key(p) for p in new["grid"]}
+    dropped = [p for p in old["grid"] if point_key(p) not in asked]
     if dropped:
         raise ResultsFileError(
             f"{path} holds another sweep (grid differs: the file has {len(dropped)} point(s) "
@@ -1185,16 +1186,16 @@ def split(path: str | Path, parts: dict[str | Path, Sequence[dict]]) -> dict[Pat
     or in two parts, a new file that exists already, a file cut short or in use. Returns the
     runs each file holds now."""
     path = Path(path)
-    wanted = {Path(p): [_point_key(s) for s in points] for p, points in parts.items()}
+    wanted = {Path(p): [point_key(s) for s in points] for p, points in parts.items()}
     with path.open("rb+") as f:
         _lock(f)  # no sweep appends meanwhile
         lines, good_end = _read_lines(path)
         if good_end != path.stat().st_size:
             raise ResultsFileError(f"{path}: its last line is cut short; resume its sweep first")
-        grid = {_point_key(p) for p in _file_header(lines)["grid"]}
+        grid = {point_key(p) for p in _file_header(lines)["grid"]}
         owner: dict[str, Path] = {}
         for new, keys in wanted.items():
-            if new.exists() or new.resolve() == path.resolve():
+            if new.exists():  # the file being divided too
                 raise ResultsFileError(f"{new}: exists already; a split writes new files only")
             for key in keys:
                 if key not in grid:
@@ -1219,13 +1220,13 @@ def split(path: str | Path, parts: dict[str | Path, Sequence[dict]]) -> dict[Pat
 def _lines_of_points(lines: list[dict], keep: set[str]) -> list[dict]:
     """A file's lines cut to the grid points ``keep``: the header's grid, ``grid_added``
     lines (dropped when none of theirs is left) and runs; every other line as it is."""
-    header = {**lines[0], "grid": [p for p in lines[0]["grid"] if _point_key(p) in keep]}
+    header = {**lines[0], "grid": [p for p in lines[0]["grid"] if point_key(p) in keep]}
     out = [header]
     for line in lines[1:]:
-        if "record" in line and _point_key(line["settings"]) not in keep:
+        if "record" in line and point_key(line["settings"]) not in keep:
             continue
         if "grid_added" in line:
-            points = [p for p in line["grid_added"]["grid"] if _point_key(p) in keep]
+            points = [p for p in line["grid_added"]["grid"] if point_key(p) in keep]
             if not points:
                 continue
             line = {"grid_added": {**line["grid_added"], "grid": points}}

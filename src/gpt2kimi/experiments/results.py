@@ -15,7 +15,6 @@ the file, or its AST hash does (the same code, docstrings and comments aside:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from gpt2kimi.experiments.pipeline import (
     code_hashes,
     expand_grid,
     missing_runs,
+    point_key,
     read_results,
     run_lines,
     same_grid,
@@ -108,9 +108,9 @@ def _options(mixers: list[str], head_dim: int) -> list[dict]:
     return [{"mixer": m, "mixer_options": {m: {"head_dim": head_dim}}} for m in mixers]
 
 
-def _only(grid: list[dict], mixers: list[str]) -> list[dict]:
-    """The points of ``grid`` whose mixer is one of ``mixers``, in the grid's order."""
-    return [point for point in grid if point["mixer"] in mixers]
+def _only(grid: list[dict], names: list[str], key: str = "mixer") -> list[dict]:
+    """The points of ``grid`` whose ``key`` (the mixer) is one of ``names``, in grid order."""
+    return [point for point in grid if point[key] in names]
 
 
 def _stale_grid(task: dict) -> list[dict]:
@@ -251,12 +251,12 @@ ENTRIES += [
         "hybrid's layout with MLA in every layer (0:1), each at 4 learning rates", "8", 32),
     ResultsEntry(
         "lm_hybrid_ffn", "lm_hybrid_ablation",
-        [p for p in _FFN_GRID if p["model"] == "3:1"],
+        _only(_FFN_GRID, ["3:1"], key="model"),
         SEEDS, "byte LM, 1,500 steps: the 3:1 KDA:MLA hybrid with experts, at 4 learning rates",
         "8", 33),
     ResultsEntry(
         "lm_hybrid_dense", "lm_hybrid_ablation",
-        [p for p in _FFN_GRID if p["model"] == "3:1_dense"],
+        _only(_FFN_GRID, ["3:1_dense"], key="model"),
         SEEDS, "byte LM, 1,500 steps: the 3:1 hybrid with a dense feed-forward of lm_hybrid_ffn's "
         "active parameters instead of experts, at 4 learning rates", "8", 29),
     ResultsEntry(
@@ -290,26 +290,22 @@ def split_by_registry(name: str, data_dir: Path) -> dict[Path, int]:
     entry = REGISTRY[name]
     path = data_dir / entry.path
     header, _ = read_results(path)
-    have = {_key(p) for p in header["grid"]}
+    have = {point_key(p) for p in header["grid"]}
     parts = {}
     for other in REGISTRY.values():
         if (other.name == name or other.task != entry.task or other.seeds != entry.seeds
                 or (data_dir / other.path).exists()):
             continue
         points = other.settings_grid()
-        if points and all(_key(p) in have for p in points):
+        if points and all(point_key(p) in have for p in points):
             parts[data_dir / other.path] = points
     if not parts:
         raise ValueError(f"{entry.path}: no missing file of the registry takes any of its points")
-    moving = {_key(p) for points in parts.values() for p in points}
-    if not same_grid([p for p in header["grid"] if _key(p) not in moving],
+    moving = {point_key(p) for points in parts.values() for p in points}
+    if not same_grid([p for p in header["grid"] if point_key(p) not in moving],
                      entry.settings_grid()):
         raise ValueError(f"{entry.path}: after the split its grid would not be {name}'s")
     return split(path, parts)
-
-
-def _key(point: dict) -> str:
-    return json.dumps(point, sort_keys=True)
 
 
 def measured_minutes(path: Path, parallel: int = 2) -> float | None:
