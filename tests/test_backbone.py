@@ -249,3 +249,62 @@ def test_an_empty_sequence_is_a_clear_error():
     model(ids(2, 3, V=16), cache=cache)
     with pytest.raises(ValueError, match="at least one token"):
         model(torch.zeros(2, 0, dtype=torch.long), cache=cache)
+
+
+def test_decode_layout_is_made_once_and_again_when_a_parameter_changes():
+    """The decode copy of a module's weights is reused while its parameters stay as they are,
+    and made again after an in-place change, a load_state_dict (copying or assigning) or a
+    dtype change; with gradients enabled it is made afresh so that autograd sees the weights."""
+    from gpt2kimi.backbone import decode_layout
+
+    torch.manual_seed(0)
+    ffn = SwiGLU(8, 16)
+    made = []
+
+    def layout():
+        made.append(1)
+        return torch.cat([ffn.gate_proj.weight, ffn.up_proj.weight])
+
+    with torch.no_grad():
+        first = decode_layout(ffn, layout)
+        assert decode_layout(ffn, layout) is first and len(made) == 1
+        ffn.up_proj.weight.mul_(2)  # in place: a new version
+        second = decode_layout(ffn, layout)
+        assert len(made) == 2 and torch.equal(second[16:], ffn.up_proj.weight)
+        ffn.load_state_dict({k: v + 1 for k, v in ffn.state_dict().items()})
+        assert torch.equal(decode_layout(ffn, layout)[:16], ffn.gate_proj.weight)
+        ffn.load_state_dict({k: v * 3 for k, v in ffn.state_dict().items()}, assign=True)
+        assert torch.equal(decode_layout(ffn, layout)[:16], ffn.gate_proj.weight)
+        ffn.double()
+        assert decode_layout(ffn, layout).dtype == torch.float64
+    assert len(made) == 5
+    decode_layout(ffn, layout).sum().backward()  # gradients enabled: made from the parameters
+    assert len(made) == 6 and ffn.gate_proj.weight.grad is not None
+
+
+def test_swiglu_decodes_a_few_tokens_through_its_stacked_weights():
+    """At most DECODE_TOKENS rows without autograd: gate and up in one product, equal to the
+    three products; more rows, or gradients, take the three products as written."""
+    from gpt2kimi.backbone import DECODE_TOKENS, is_decode_step
+
+    torch.manual_seed(0)
+    ffn = SwiGLU(16, 24).double()
+    x = torch.randn(2, DECODE_TOKENS // 2, 16, dtype=torch.float64)
+    plain = ffn.down_proj(F.silu(ffn.gate_proj(x)) * ffn.up_proj(x))
+    with torch.no_grad():
+        assert is_decode_step(x) and not is_decode_step(torch.cat([x, x, x], dim=1))
+        torch.testing.assert_close(ffn(x), plain, atol=1e-12, rtol=1e-12)
+        assert "_decode_layout" in ffn.__dict__
+    assert not is_decode_step(x)  # gradients enabled
+    torch.testing.assert_close(ffn(x), plain, atol=0, rtol=0)
+
+
+def test_dropout_runs_only_while_training():
+    torch.manual_seed(0)
+    cfg = BackboneConfig(vocab_size=50, d_model=32, n_layer=2, n_head=4, dropout=0.5)
+    model = LanguageModel(cfg, SoftmaxAttention)
+    x = ids()
+    with torch.no_grad():
+        assert not torch.equal(model(x), model(x))  # training: dropout draws masks
+        model.eval()
+        assert torch.equal(model(x), model(x))

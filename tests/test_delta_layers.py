@@ -65,11 +65,12 @@ def test_layer_rejects_indivisible_heads(cls):
         cls(30, 4)
 
 
-# each layer's module and the name under which it imports its recurrent operator
+# each layer's module and the name under which it imports its recurrent operator (KDA's
+# decode step calls the one-token form, memory first: one token per call)
 RECURRENT_STEP = {
     DeltaNet: (gpt2kimi.deltanet, "recurrent_delta_rule"),
     GatedDeltaNet: (gpt2kimi.gated_deltanet, "recurrent_gated_delta_rule"),
-    KimiDeltaAttention: (gpt2kimi.kda, "fused_recurrent_kda"),
+    KimiDeltaAttention: (gpt2kimi.kda, "fused_recurrent_kda_step"),
 }
 
 
@@ -79,7 +80,7 @@ def test_one_token_steps_use_the_recurrence_and_equal_the_chunk_form(cls, monkey
     recurrent, calls = getattr(module, name), []
 
     def spy(q, *args, **kwargs):
-        calls.append(q.shape[1])
+        calls.append(1 if name.endswith("_step") else q.shape[1])
         return recurrent(q, *args, **kwargs)
 
     monkeypatch.setattr(module, name, spy)
@@ -95,3 +96,19 @@ def test_one_token_steps_use_the_recurrence_and_equal_the_chunk_form(cls, monkey
     assert calls == [1] * 8  # only the single-token calls took the recurrent step
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(state.memory, full_state.memory, atol=1e-10, rtol=1e-10)
+
+
+def test_kda_decodes_from_an_empty_state_and_keeps_its_step_layout_current():
+    """KDA's one-token step from no state at all equals the chunk form token by token, and
+    after its weights change it reads the new ones (its stacked layout is made again)."""
+    layer = make_layer(KimiDeltaAttention)
+    x = torch.randn(2, 6, D_MODEL, dtype=torch.float64)
+    with torch.no_grad():
+        state, steps = None, []
+        for t in range(6):
+            y, state = layer(x[:, t : t + 1], state, return_state=True)
+            steps.append(y)
+        torch.testing.assert_close(torch.cat(steps, dim=1), layer(x), atol=1e-10, rtol=1e-10)
+        layer.v_proj.weight.mul_(-1)
+        y, _ = layer(x[:, :1], None, return_state=True)
+        torch.testing.assert_close(y, layer(x[:, :2])[:, :1], atol=1e-10, rtol=1e-10)

@@ -175,17 +175,17 @@ def test_prefill_runs_the_parallel_forms_and_decode_the_stepwise_ones(monkeypatc
     torch.manual_seed(0)
     model = KimiHybrid(config).double().eval()
     calls = []
-    recurrent, absorbed = kda.fused_recurrent_kda, MultiHeadLatentAttention.attend_absorbed
+    recurrent, absorbed = kda.fused_recurrent_kda_step, MultiHeadLatentAttention.attend_absorbed
 
-    def spy_recurrent(q, *args, **kwargs):
-        calls.append(("kda step", q.shape[1]))
-        return recurrent(q, *args, **kwargs)
+    def spy_recurrent(memory, *args, **kwargs):
+        calls.append(("kda step", 1))  # the one-token form
+        return recurrent(memory, *args, **kwargs)
 
     def spy_absorbed(self, q_nope, *args):
         calls.append(("mla absorbed", q_nope.shape[2]))
         return absorbed(self, q_nope, *args)
 
-    monkeypatch.setattr(kda, "fused_recurrent_kda", spy_recurrent)
+    monkeypatch.setattr(kda, "fused_recurrent_kda_step", spy_recurrent)
     monkeypatch.setattr(MultiHeadLatentAttention, "attend_absorbed", spy_absorbed)
     idx = torch.randint(0, config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(4))
     cache = model.new_cache(2, 16)

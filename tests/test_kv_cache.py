@@ -207,3 +207,16 @@ def test_an_empty_sequence_is_a_clear_error_with_or_without_a_cache():
     with pytest.raises(ValueError, match="at least one token"):
         model(torch.zeros(2, 0, dtype=torch.long), cache=cache)
     assert cache.pos == 3
+
+
+def test_generate_runs_in_inference_mode_and_returns_a_normal_tensor():
+    """The cached loop runs under torch.inference_mode; the ids it returns are an ordinary
+    tensor, so a training step can use them."""
+    model = tiny_model()
+    seen = []
+    model.register_forward_hook(lambda *_: seen.append(torch.is_inference_mode_enabled()))
+    out = generate(model, prompt(batch=1, length=2), 3)
+    assert seen == [True] * 3 and not out.is_inference()
+    model.train()
+    _, loss = model(out[:, :-1], out[:, 1:])
+    loss.backward()

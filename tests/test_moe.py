@@ -330,3 +330,38 @@ def test_moe_ffn_in_the_backbone_through_the_zoo():
     _, loss = model(idx, idx)
     loss.backward()
     assert layers[0].experts.gate_up_proj.grad.abs().sum() > 0
+
+
+def test_a_few_tokens_take_one_expert_call_per_pair_and_equal_the_dispatch(monkeypatch):
+    """Fewer (token, expert) pairs than experts go through dispatch_pairs, which equals the
+    sorted dispatch and the per-token definition; as many pairs as experts or more go through
+    dispatch."""
+    import gpt2kimi.moe as moe_module
+
+    torch.manual_seed(0)
+    config = MoEConfig(d_model=32, n_experts=16, top_k=2, expert_hidden=24, n_shared_experts=1)
+    layer = MoE(config).double().eval()
+    calls = []
+    for name in ("dispatch", "dispatch_pairs"):
+        original = getattr(moe_module, name)
+
+        def spy(*args, original=original, name=name):
+            calls.append(name)
+            return original(*args)
+
+        monkeypatch.setattr(moe_module, name, spy)
+    experts = layer.experts
+    with torch.no_grad():
+        few = torch.randn(1, 3, 32, dtype=torch.float64)  # 6 pairs < 16 experts
+        y = layer(few)
+        assert calls == ["dispatch_pairs"]
+        torch.testing.assert_close(y, moe_reference(layer, few), atol=1e-12, rtol=1e-12)
+        flat = few.reshape(-1, 32)
+        routing = layer.gate(flat)
+        weights = (experts.gate_up_proj, experts.down_proj)
+        torch.testing.assert_close(moe_module.dispatch_pairs(flat, routing, *weights),
+                                   moe_module.dispatch(flat, routing, *weights),
+                                   atol=1e-12, rtol=1e-12)
+        calls.clear()
+        layer(torch.randn(2, 4, 32, dtype=torch.float64))  # 16 pairs: as many as experts
+        assert calls == ["dispatch"]

@@ -155,7 +155,26 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if not is_decode_step(x):
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # a decoded token: gate and up in one product over their weights stacked once
+        gate_up = decode_layout(self, lambda: torch.cat([self.gate_proj.weight,
+                                                         self.up_proj.weight]))
+        return swiglu(x, gate_up, self.down_proj.weight)
+
+
+def swiglu(
+    x: Tensor, gate_up: Tensor, down: Tensor, weight: Tensor | float | None = None
+) -> Tensor:
+    """A SwiGLU from stacked weights: x [n, d], gate_up [2I, d] (gate rows, then up rows),
+    down [d, I] → [n, d] (chapter 7's experts are stored this way).
+
+    With ``weight [n, 1]`` (or one number) the output is scaled per row, applied to the I-wide
+    hidden activation before ``down`` (the same by linearity, and cheaper when I < d).
+    """
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    hidden = F.silu(gate) * up
+    return F.linear(hidden if weight is None else hidden * weight, down)
 
 
 class CausalConv1d(nn.Conv1d):
@@ -292,9 +311,14 @@ class Block(nn.Module):
             mixed, mixer_state = self.mixer(h, mixer_state, return_state=True)
         else:
             mixed = self.mixer(h if self.shift is None else self.shift(h))
-        x = x + self.drop(mixed)
-        x = x + self.drop(self.ffn(self.norm_2(x)))
+        x = x + self.dropout(mixed)
+        x = x + self.dropout(self.ffn(self.norm_2(x)))
         return (x, BlockState(mixer_state, shift_state)) if return_state else x
+
+    def dropout(self, x: Tensor) -> Tensor:
+        """``self.drop`` while training; outside training the identity, without the module call
+        (which a decoded token would pay twice per block)."""
+        return self.drop(x) if self.training else x
 
 
 def check_mixer_output(mixer: nn.Module, d_model: int) -> None:
@@ -540,7 +564,7 @@ class LanguageModel(nn.Module):
         x = self.embed(idx)
         if self.pos_embed is not None:
             x = x + self.pos_embed(torch.arange(start, start + idx.size(1), device=idx.device))
-        x = self.drop(x)
+        x = self.drop(x) if self.training else x  # dropout: the identity outside training
         for i, block in enumerate(self.blocks):
             if cache is None:
                 x = block(x)
@@ -575,6 +599,44 @@ class LanguageModel(nn.Module):
             cache.head = weight.detach().t().contiguous()
         logits = h @ cache.head
         return logits if self.lm_head.bias is None else logits + self.lm_head.bias
+
+
+# At most this many tokens, and no autograd: a decode step. There each PyTorch call's fixed cost
+# outweighs its arithmetic, and layers take paths with fewer calls (equal up to rounding).
+DECODE_TOKENS = 8
+
+
+def is_decode_step(x: Tensor) -> bool:
+    """Whether x [..., d] is a decode step's input: at most DECODE_TOKENS rows, no autograd."""
+    return not torch.is_grad_enabled() and x.numel() <= DECODE_TOKENS * x.shape[-1]
+
+
+def decode_layout(module: nn.Module, make: Callable[[], Any]) -> Any:
+    """``make()``: weights of ``module`` copied into the layout a decode step reads (stacked,
+    transposed), kept on the module and made again only when one of its parameters changes
+    (an optimizer step or ``load_state_dict`` bumps a parameter's version, ``.to()`` gives it
+    new storage, ``load_state_dict(assign=True)`` a new tensor). A decoded token runs every
+    layer once, so the copy is paid once, not per token.
+
+    One layout per module (``make`` must always build the same thing). With gradients enabled
+    it is made afresh at each call, so that autograd sees the parameters themselves.
+    """
+    if torch.is_grad_enabled():
+        return make()
+    cached = module.__dict__.get("_decode_layout")
+    if cached is None or cached[1] != _parameter_versions(cached[0]):
+        # each parameter by its owner and name: a parameter replaced by a new tensor is seen
+        owners = [(m, name) for m in module.modules() for name, p in m._parameters.items()
+                  if p is not None]
+        cached = module.__dict__["_decode_layout"] = (owners, _parameter_versions(owners), make())
+    return cached[2]
+
+
+def _parameter_versions(owners: list[tuple[nn.Module, str]]) -> tuple:
+    """Storage, version counter and dtype of each parameter: they change when its values do."""
+    return tuple(
+        (p.data_ptr(), p._version, p.dtype) for p in (m._parameters[name] for m, name in owners)
+    )
 
 
 def residual_projection(module: nn.Module) -> nn.Linear | None:

@@ -6,20 +6,25 @@ where Gated DeltaNet fades the whole memory of a head at once. ``g`` [B, T, H, K
 
 The operator lives in :mod:`gpt2kimi.ops`, named and ordered as fla's:
 ``recurrent_kda(q, k, v, g, beta)`` and ``chunk_kda`` (with its per-chunk
-``decayed_products``), and ``fused_recurrent_kda`` for decoding. This module holds KDA's forget
+``decayed_products``), and ``fused_recurrent_kda`` (with its one-token
+``fused_recurrent_kda_step``) for decoding. This module holds KDA's forget
 gate and the layer :class:`KimiDeltaAttention`.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gpt2kimi.backbone import decode_layout
 from gpt2kimi.configs import KDAConfig
-from gpt2kimi.deltanet import DeltaNet, DeltaNetState
+from gpt2kimi.deltanet import DeltaNet, DeltaNetState, l2_normalize
 from gpt2kimi.gated_deltanet import GatedRMSNorm, init_A_log, init_dt_bias, log_decay
-from gpt2kimi.ops import chunk_kda, fused_recurrent_kda
+from gpt2kimi.ops import chunk_kda, fused_recurrent_kda_step
+from gpt2kimi.ops.utils import compute_dtype
 
 # ----------------------------------------------------------------------------------------------
 # the layer
@@ -49,6 +54,20 @@ class ForgetGate(nn.Module):
         """The log-decays from ``f_a(x)`` [B, T, head_dim] (a decoder projects x once for all)."""
         a = self.f_b_proj(a_low).unflatten(-1, (-1, self.head_dim))
         return log_decay(a, self.A_log, self.dt_bias.view(-1, self.head_dim))
+
+
+class KDAStepWeights(NamedTuple):
+    """A :class:`KimiDeltaAttention` layer's weights laid out for its one-token step: every
+    matrix as [in, out], so that ``x @ w`` is one call."""
+
+    proj: Tensor
+    conv: Tensor
+    f_b: Tensor
+    minus_A: Tensor
+    dt_bias: Tensor
+    g_b: Tensor
+    g_b_bias: Tensor | None
+    o: Tensor
 
 
 class KimiDeltaAttention(DeltaNet):
@@ -113,24 +132,52 @@ class KimiDeltaAttention(DeltaNet):
 
     def step(self, x: Tensor, state: DeltaNetState | None) -> tuple[Tensor, DeltaNetState]:
         """One decoded token, x [B, 1, d_model] -> (y [B, 1, d_model], the new state):
-        :meth:`forward`'s arithmetic in fewer kernels, for a step that is all overhead.
+        :meth:`forward`'s arithmetic for a single token in as few PyTorch calls as it takes,
+        because at decode time each call's fixed cost outweighs its arithmetic.
 
-        The six projections that read x (q, k, v, β and the low-rank halves of the forget and
-        output gates) are one matrix product over their weights stacked, and the recurrence is
-        :func:`~gpt2kimi.ops.fused_recurrent_kda`, without checking g's values (the forget gate
-        makes them <= 0).
+        The weights are read in the layout of :meth:`step_weights`, made once: the six
+        projections that read x (q, k, v, β and the low-rank halves of the forget and output
+        gates) are one matrix product. The short convolution is one multiply-and-sum over its
+        window, q and k are normalised together, and the recurrence is
+        :func:`~gpt2kimi.ops.fused_recurrent_kda_step`, without input checks (the layer made
+        its inputs, and its forget gate makes g <= 0).
         """
         B, H, D = x.shape[0], self.n_head, self.head_dim
-        stacked = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
-                             self.b_proj.weight, self.forget_gate.f_a_proj.weight,
-                             self.g_a_proj.weight])
-        qkv, b, f_a, g_a = F.linear(x, stacked).split([3 * H * D, H, D, D], dim=-1)
-        q, k, v, conv = self.qkv(x, state, projected=qkv)
-        g = self.forget_gate.from_low_rank(f_a)
-        o, memory = fused_recurrent_kda(
-            q, k, v, g, torch.sigmoid(b), initial_state=None if state is None else state.memory,
-            check_decay=False,
-        )
-        gate = self.g_b_proj(g_a).view(B, 1, H, D)
-        y = self.o_proj(self.o_norm(o, gate).reshape(B, 1, -1))
-        return y, DeltaNetState(memory, conv)
+        w = self.step_weights()
+        if state is None:  # a fresh sequence: an empty memory, zeros before the first token
+            state = DeltaNetState(x.new_zeros(B, H, D, D, dtype=compute_dtype(x)),
+                                  x.new_zeros(B, w.conv.shape[0] - 1, 3 * H * D))
+        qkv, b, f_a, g_a = (x.reshape(B, -1) @ w.proj).split([3 * H * D, H, D, D], dim=-1)
+        window = torch.cat([state.conv, qkv[:, None]], dim=1)  # [B, conv_size, ·]
+        qkv = F.silu((window * w.conv).sum(dim=1))  # the short convolution's new output
+        q, k = l2_normalize(qkv[:, : 2 * H * D].view(B, 2, H, D)).unbind(dim=1)
+        v = qkv[:, 2 * H * D :].view(B, H, D)
+        a = (f_a @ w.f_b).view(B, H, D)
+        if a.dtype != state.memory.dtype:  # the gate in fp32 at least, as log_decay computes it
+            a = a.to(state.memory.dtype)
+        g = w.minus_A * F.softplus(a + w.dt_bias)  # log_decay, its rate −exp(A_log) made once
+        o, memory = fused_recurrent_kda_step(state.memory, q, k, v, g, torch.sigmoid(b), D**-0.5)
+        gate = g_a @ w.g_b if w.g_b_bias is None else torch.addmm(w.g_b_bias, g_a, w.g_b)
+        y = self.o_norm(o.to(x.dtype), gate.view(B, H, D)).view(B, -1) @ w.o
+        return y.view(B, 1, -1), DeltaNetState(memory, window[:, 1:])
+
+    def step_weights(self) -> KDAStepWeights:
+        """The weights as :meth:`step` reads them (:func:`~gpt2kimi.backbone.decode_layout`:
+        made at the first decoded token, again only after a parameter changes)."""
+
+        def make() -> KDAStepWeights:
+            gate = self.forget_gate
+            proj = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
+                              self.b_proj.weight, gate.f_a_proj.weight, self.g_a_proj.weight])
+            return KDAStepWeights(
+                proj=proj.t().contiguous(),  # [d_model, 3·H·D + H + 2·D]
+                conv=self.conv1d.weight[:, 0].t().contiguous(),  # [conv_size, 3·H·D]
+                f_b=gate.f_b_proj.weight.t().contiguous(),  # [D, H·D]
+                minus_A=-gate.A_log.view(-1, 1).exp(),  # [H, 1]
+                dt_bias=gate.dt_bias.view(-1, self.head_dim),  # [H, D]
+                g_b=self.g_b_proj.weight.t().contiguous(),  # [D, H·D]
+                g_b_bias=self.g_b_proj.bias,
+                o=self.o_proj.weight.t().contiguous(),  # [H·D, d_model]
+            )
+
+        return decode_layout(self, make)

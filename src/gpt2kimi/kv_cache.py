@@ -169,8 +169,9 @@ def generate(
       chapter 1 does.
     - ``use_cache=True``: ``model.new_cache`` holds every layer's memory (pre-allocated KV
       caches here; later chapters' recurrent states, or a mix), the prompt fills it in one pass,
-      then each step runs one token. A model without ``new_cache`` (chapter 1's plain ``GPT2``)
-      is refused: convert it with ``GPT2WithCache.from_gpt2(model, copy=False)``.
+      then each step runs one token, all under ``torch.inference_mode``. A model without
+      ``new_cache`` (chapter 1's plain ``GPT2``) is refused: convert it with
+      ``GPT2WithCache.from_gpt2(model, copy=False)``.
     """
     check_generate_args(model, prompt_ids, max_new_tokens, use_cache)
     B, T = prompt_ids.shape
@@ -184,10 +185,14 @@ def generate(
             logits = model(ids[:, :t])[:, -1, :]  # the whole prefix, again
             ids[:, t : t + 1] = sample_next_token(logits, temperature, top_k, generator)
         return ids
-    cache = model.new_cache(B, total)
-    logits = model(prompt_ids, cache=cache)[:, -1, :]  # prefill: the prompt in one pass
-    for t in range(T, total):
-        ids[:, t : t + 1] = sample_next_token(logits, temperature, top_k, generator)
-        if t + 1 < total:
-            logits = model(ids[:, t : t + 1], cache=cache)[:, -1, :]  # one new token
+    # inference mode: no_grad that also skips autograd's bookkeeping (version counters, views'
+    # metadata) in every operator call, which at one token per step is much of the cost; ids
+    # stays a normal tensor (made outside, written in place), so it can feed training later
+    with torch.inference_mode():
+        cache = model.new_cache(B, total)
+        logits = model(prompt_ids, cache=cache)[:, -1, :]  # prefill: the prompt in one pass
+        for t in range(T, total):
+            ids[:, t : t + 1] = sample_next_token(logits, temperature, top_k, generator)
+            if t + 1 < total:
+                logits = model(ids[:, t : t + 1], cache=cache)[:, -1, :]  # one new token
     return ids

@@ -296,11 +296,12 @@ class MultiHeadLatentAttention(nn.Module):
 
     # -- the three ways to attend --------------------------------------------------------------
 
-    def attention_weights(self, scores: Tensor) -> Tensor:
+    def attention_weights(self, scores: Tensor, scaled: bool = False) -> Tensor:
         """Scaled, causally masked softmax of scores ``[B, H, T, S]`` (the T queries are the last
-        T of the S positions), in fp32 or fp64."""
+        T of the S positions), in fp32 or fp64; ``scaled``: the scores are scaled already."""
         T, S = scores.shape[-2:]
-        scores = scores * self.scale
+        if not scaled:
+            scores = scores * self.scale
         if T > 1:  # one new token reads everything cached: no mask needed
             mask = cached_causal_mask(T, S - T, device=scores.device)
             scores = scores.masked_fill(~mask, float("-inf"))
@@ -326,13 +327,19 @@ class MultiHeadLatentAttention(nn.Module):
         ``W_uv_h`` once per query instead of once per cached token. Returns
         ``[B, H, T, v_head_dim]``.
         """
-        W_uk, W_uv = self.up_weights()
-        q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, W_uk)  # W_ukᵀ q: [B, H, T, r]
-        scores = torch.einsum("bhtr,bsr->bhts", q_latent, c_kv)  # = q_nope · k_nope
-        scores = scores + torch.einsum("bhtp,bsp->bhts", q_rope, k_rope)  # + q_rope · k_rope
-        p = self.attention_weights(scores)
-        o_latent = torch.einsum("bhts,bsr->bhtr", p, c_kv)  # Σ_s p_s c_s: [B, H, T, r]
-        return torch.einsum("bhtr,hvr->bhtv", o_latent, W_uv)  # W_uv (Σ_s p_s c_s)
+        B, H, T, _ = q_nope.shape
+        W_uk, W_uv = self.up_weights()  # [H, nope, r], [H, v, r]
+        q_latent = (q_nope * self.scale) @ W_uk  # 1. W_ukᵀ q, once per (scaled) query: [B, H, T, r]
+        # 2. every head scores the same cached latents: one product per sequence, its H·T
+        # queries against c_kv (= q_nope · k_nope), added in place to q_rope · k_rope (scores
+        # as long as the cache: the fewer such tensors a step allocates, the faster at 16K)
+        q_rope = (q_rope * self.scale).reshape(B, H * T, q_rope.shape[-1])
+        scores = (q_rope @ k_rope.transpose(1, 2)).baddbmm_(
+            q_latent.reshape(B, H * T, -1), c_kv.transpose(1, 2)
+        )
+        p = self.attention_weights(scores.view(B, H, T, -1), scaled=True)
+        o_latent = (p.view(B, H * T, -1) @ c_kv).view(B, H, T, -1)  # Σ_s p_s c_s: [B, H, T, r]
+        return o_latent @ W_uv.transpose(1, 2)  # 3. W_uv (Σ_s p_s c_s), once per query
 
     def forward(
         self, x: Tensor, state: LatentCache | None = None, return_state: bool = False

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpt2kimi.backbone import SwiGLU
+from gpt2kimi.backbone import SwiGLU, swiglu
 from gpt2kimi.configs import MoEConfig
 
 # ----------------------------------------------------------------------------------------------
@@ -71,7 +71,8 @@ def route(x: Tensor, weight: Tensor, bias: Tensor | None, config: MoEConfig) -> 
     weights = scores.gather(1, experts)
     if config.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    weights = weights * config.routed_scaling_factor
+    if config.routed_scaling_factor != 1.0:  # (skipped: a multiply by 1 changes no bit)
+        weights = weights * config.routed_scaling_factor
     tokens_per_expert = torch.bincount(experts.flatten(), minlength=config.n_experts)
     return Routing(experts, weights, scores, tokens_per_expert)
 
@@ -93,17 +94,6 @@ def limit_to_best_groups(choice: Tensor, n_group: int, topk_group: int) -> Tenso
 # experts and dispatch
 
 
-def swiglu_expert(x: Tensor, gate_up: Tensor, down: Tensor, weight: Tensor | None = None) -> Tensor:
-    """One expert: x [n, d], gate_up [2I, d] (gate rows, then up rows), down [d, I] → [n, d].
-
-    With ``weight [n, 1]`` the output is scaled per row, applied to the I-wide hidden
-    activation before ``down`` (the same by linearity, and cheaper when I < d).
-    """
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    hidden = F.silu(gate) * up
-    return F.linear(hidden if weight is None else hidden * weight, down)
-
-
 def dispatch(x: Tensor, routing: Routing, gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:
     """Σ_j w_j · expert_{e_j}(x) for every token, with one matrix product per expert hit.
 
@@ -123,15 +113,38 @@ def dispatch(x: Tensor, routing: Routing, gate_up_proj: Tensor, down_proj: Tenso
             continue  # an idle expert: no work at all
         rows = slice(start, start + count)
         x_e = x.index_select(0, token[rows])  # this expert's tokens, gathered
-        y_e = swiglu_expert(x_e, gate_up_proj[e], down_proj[e], weight[rows])
+        y_e = swiglu(x_e, gate_up_proj[e], down_proj[e], weight[rows])
         # under autocast the expert computes in bf16: accumulate in x's own dtype
         out.index_add_(0, token[rows], y_e.to(out.dtype))
         start += count
     return out
 
 
+def dispatch_pairs(
+    x: Tensor, routing: Routing, gate_up_proj: Tensor, down_proj: Tensor
+) -> Tensor:
+    """:func:`dispatch` for a handful of tokens (a decoded token or a few): one expert call per
+    (token, expert) pair, with none of the sorting, gathering and scattering that pays off only
+    when an expert serves many tokens. x [N, d] → [N, d]; equal to :func:`dispatch` up to the
+    order of the sum over a token's k experts.
+    """
+    rows = []
+    for n, (experts, weights) in enumerate(
+        zip(routing.experts.tolist(), routing.weights.tolist(), strict=True)
+    ):
+        x_n = x if len(x) == 1 else x[n : n + 1]
+        y = [swiglu(x_n, gate_up_proj[e], down_proj[e], w)
+             for e, w in zip(experts, weights, strict=True)]
+        rows.append(sum(y[1:], y[0]))  # Σ_j w_j · expert_{e_j}(x_n)
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+
 class Experts(nn.Module):
-    """E SwiGLU experts stored as two stacked tensors, the layout of ``transformers``."""
+    """E SwiGLU experts stored as two stacked tensors, the layout of ``transformers``.
+
+    Fewer (token, expert) pairs than experts (decoding) go through :func:`dispatch_pairs`,
+    more through :func:`dispatch`: the loop runs at most ``min(N·k, E)`` expert calls.
+    """
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
@@ -140,7 +153,9 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.randn(E, d, I) * 0.02)
 
     def forward(self, x: Tensor, routing: Routing) -> Tensor:
-        return dispatch(x, routing, self.gate_up_proj, self.down_proj)
+        few = 0 < routing.experts.numel() < len(self.gate_up_proj)
+        run = dispatch_pairs if few else dispatch
+        return run(x, routing, self.gate_up_proj, self.down_proj)
 
 
 class TopKRouter(nn.Module):
@@ -232,7 +247,7 @@ def moe_reference(moe: MoE, x: Tensor) -> Tensor:
     for n in range(flat.shape[0]):
         y = torch.zeros_like(flat[n])
         for e, w in zip(routing.experts[n].tolist(), routing.weights[n], strict=True):
-            y = y + w * swiglu_expert(flat[n : n + 1], w_gate_up[e], w_down[e])[0]
+            y = y + w * swiglu(flat[n : n + 1], w_gate_up[e], w_down[e])[0]
         if moe.shared_experts is not None:
             y = y + moe.shared_experts(flat[n])
         rows.append(y.to(x.dtype))

@@ -17,6 +17,7 @@ All take q, k [B, T, H, K] and v [B, T, H, V] in fla's layout, accept ``scale`` 
 ``recurrent_kda``                 ``(q, k, v, g, beta, ...)``: g [B, T, H, K] (chapter 5)
 ``chunk_kda``                     same, chunkwise
 ``fused_recurrent_kda``           same, token by token in fused passes (decoding)
+``fused_recurrent_kda_step``      one token of it, inputs unchecked (a layer's decode step)
 ================================  ==========================================================
 
 Called positionally with fla's argument order, each computes fla's recurrence. The operators
@@ -27,7 +28,12 @@ but itself: the chapter modules build their layers on it.
 
 from gpt2kimi.ops.delta_rule import chunk_delta_rule, recurrent_delta_rule
 from gpt2kimi.ops.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from gpt2kimi.ops.kda import chunk_kda, fused_recurrent_kda, recurrent_kda
+from gpt2kimi.ops.kda import (
+    chunk_kda,
+    fused_recurrent_kda,
+    fused_recurrent_kda_step,
+    recurrent_kda,
+)
 from gpt2kimi.ops.linear_attn import chunk_linear_attn, parallel_linear_attn, recurrent_linear_attn
 from gpt2kimi.ops.simple_gla import chunk_simple_gla, recurrent_simple_gla
 
@@ -38,6 +44,7 @@ __all__ = [
     "chunk_linear_attn",
     "chunk_simple_gla",
     "fused_recurrent_kda",
+    "fused_recurrent_kda_step",
     "parallel_linear_attn",
     "recurrent_delta_rule",
     "recurrent_gated_delta_rule",

@@ -176,12 +176,13 @@ def fused_recurrent_kda(
     """:func:`recurrent_kda` with fewer, fused passes over the memory: the form a decoder runs
     for each new token (fla's name for its recurrent kernel).
 
-    Per token: one pass decays the memory into a new tensor (the caller's state is never
-    written), a batched matrix-vector product reads ``v_old``, one in-place ``baddbmm`` writes
-    ``β (v − v_old)`` along k, and a matrix-vector product reads the output out. The definition
-    needs five passes and three ``einsum`` permutes for the same step. ``check_decay=False``
-    skips the reduction that checks g <= 0 (the layer's forget gate is <= 0 by construction).
-    Shapes and return value as :func:`recurrent_kda`; equal to it up to rounding.
+    Each token is one :func:`fused_recurrent_kda_step`: one pass decays the memory into a new
+    tensor (the caller's state is never written), a batched matrix-vector product reads
+    ``v_old``, one in-place ``baddbmm`` writes ``β (v − v_old)`` along k, and a matrix-vector
+    product reads the output out. The definition needs five passes and three ``einsum`` permutes
+    for the same step. ``check_decay=False`` skips the reduction that checks g <= 0 (a forget
+    gate that is <= 0 by construction). Shapes and return value as :func:`recurrent_kda`; equal
+    to it up to rounding.
     """
     check_operator_inputs(
         q, k, v, gk=g, beta=beta, initial_state=initial_state, check_decay=check_decay
@@ -190,14 +191,31 @@ def fused_recurrent_kda(
     V = v.shape[-1]
     out_dtype, dtype = q.dtype, compute_dtype(q)
     scale = K**-0.5 if scale is None else scale
-    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
-    alpha = g.exp()[..., None]  # [B, T, H, K, 1]: row t of the memory decays by α_t
-    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dtype)
-    o = q.new_empty(B, T, H, V)
+    S = q.new_zeros(B, H, K, V, dtype=dtype) if initial_state is None else initial_state
+    S = S.to(dtype)
+    o = q.new_empty(B, T, H, V, dtype=dtype)
     for t in range(T):
-        S = (S * alpha[:, t]).contiguous()  # Diag(α_t) S_{t−1}, a fresh tensor
-        k_t = k[:, t].unsqueeze(-2)  # [B, H, 1, K]
-        error = (v[:, t].unsqueeze(-2) - k_t @ S) * beta[:, t, :, None, None]  # [B, H, 1, V]
-        S.view(B * H, K, V).baddbmm_(k_t.reshape(B * H, K, 1), error.reshape(B * H, 1, V))
-        o[:, t] = (q[:, t].unsqueeze(-2) @ S).squeeze(-2) * scale
+        o[:, t], S = fused_recurrent_kda_step(S, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t],
+                                              scale)
     return o.to(out_dtype), S
+
+
+def fused_recurrent_kda_step(
+    memory: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
+    """One token of :func:`fused_recurrent_kda`, without checking its inputs (a decoder's inner
+    call: the layer made them, and each check costs time at every token).
+
+    memory [B, H, K, V] in the compute dtype (read, never written); q, k, g [B, H, K];
+    v [B, H, V]; beta [B, H]. Returns ``(o [B, H, V], the new memory)``, both in memory's dtype.
+    """
+    B, H, K, V = memory.shape
+    if q.dtype != memory.dtype:  # (a call each, even when there is nothing to convert)
+        q, k, v, beta = (x.to(memory.dtype) for x in (q, k, v, beta))
+    S = (memory * g.exp()[..., None]).to(memory.dtype).contiguous()  # Diag(α) S, a fresh tensor
+    S_ = S.view(B * H, K, V)
+    k_ = k.reshape(B * H, 1, K)
+    error = (v.reshape(B * H, 1, V) - torch.bmm(k_, S_)) * beta.reshape(B * H, 1, 1)
+    S_.baddbmm_(k_.transpose(1, 2), error)  # S += k β (v − Sᵀk)ᵀ, in place on the new tensor
+    o = torch.bmm(q.reshape(B * H, 1, K), S_).view(B, H, V) * scale  # o = Sᵀ q
+    return o, S
