@@ -255,7 +255,7 @@ def test_decode_layout_is_made_once_and_again_when_a_parameter_changes():
     """The decode copy of a module's weights is reused while its parameters stay as they are,
     and made again after an in-place change, a load_state_dict (copying or assigning) or a
     dtype change; with gradients enabled it is made afresh so that autograd sees the weights."""
-    from gpt2kimi.backbone import decode_layout
+    from gpt2kimi.backbone import decode_layout, release_decode_layouts
 
     torch.manual_seed(0)
     ffn = SwiGLU(8, 16)
@@ -280,6 +280,8 @@ def test_decode_layout_is_made_once_and_again_when_a_parameter_changes():
     assert len(made) == 5
     decode_layout(ffn, layout).sum().backward()  # gradients enabled: made from the parameters
     assert len(made) == 6 and ffn.gate_proj.weight.grad is not None
+    release_decode_layouts(ffn)  # dropped: the next decode step makes it again
+    assert "_decode_layout" not in ffn.__dict__
 
 
 def test_swiglu_decodes_a_few_tokens_through_its_stacked_weights():

@@ -310,3 +310,19 @@ def test_the_hybrid_runs_under_bf16_autocast():
             logits = model(idx)
     assert torch.isfinite(logits).all()
     assert (logits.float() - expected).abs().max() < 0.2 * expected.abs().max()
+
+
+def test_generate_makes_the_decode_layouts_and_releases_them():
+    """The hybrid's decode steps read layouts made at the first decoded token (KDA's stacked
+    projections, the SwiGLUs' stacked gate and up); generate drops them when it is done."""
+    torch.manual_seed(0)
+    model = KimiHybrid(tiny_config()).eval()
+    kept = []
+    model.register_forward_hook(
+        lambda *_: kept.append(sum("_decode_layout" in m.__dict__ for m in model.modules()))
+    )
+    prompt = torch.randint(0, model.config.vocab_size, (1, 12),  # more than DECODE_TOKENS
+                           generator=torch.Generator().manual_seed(0))
+    generate(model, prompt, 3)
+    assert kept[0] == 0 and kept[1] > 0 and kept[1] == kept[2]  # prompt; made; reused
+    assert not any("_decode_layout" in m.__dict__ for m in model.modules())

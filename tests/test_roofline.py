@@ -70,10 +70,3 @@ def test_time_steps_on_a_tiny_model():
     assert time_steps(model, [(2, 4)], rounds=1).prefill is None
     with pytest.raises(ValueError, match="positive"):
         time_steps(model, [(0, 4)])
-
-
-def test_gemv_bandwidth_is_positive_and_finite():
-    from gpt2kimi.roofline import gemv_bandwidth
-
-    w = gemv_bandwidth(nbytes=2**16, width=64, repeats=1)
-    assert 0 < w < float("inf")

@@ -619,7 +619,9 @@ def decode_layout(module: nn.Module, make: Callable[[], Any]) -> Any:
     layer once, so the copy is paid once, not per token.
 
     One layout per module (``make`` must always build the same thing). With gradients enabled
-    it is made afresh at each call, so that autograd sees the parameters themselves.
+    it is made afresh at each call, so that autograd sees the parameters themselves. A layout
+    costs the bytes it copies for as long as it is kept: :func:`release_decode_layouts` drops
+    them (``generate`` does, once its tokens are out).
     """
     if torch.is_grad_enabled():
         return make()
@@ -630,6 +632,13 @@ def decode_layout(module: nn.Module, make: Callable[[], Any]) -> Any:
                   if p is not None]
         cached = module.__dict__["_decode_layout"] = (owners, _parameter_versions(owners), make())
     return cached[2]
+
+
+def release_decode_layouts(model: nn.Module) -> None:
+    """Drop the decode layouts (:func:`decode_layout`) kept on ``model``'s modules: their memory
+    is freed, and the next decoded token makes them again."""
+    for module in model.modules():
+        module.__dict__.pop("_decode_layout", None)
 
 
 def _parameter_versions(owners: list[tuple[nn.Module, str]]) -> tuple:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from gpt2kimi.backbone import release_decode_layouts
 from gpt2kimi.gpt2 import sample_next_token
 
 
@@ -195,4 +196,5 @@ def generate(
             ids[:, t : t + 1] = sample_next_token(logits, temperature, top_k, generator)
             if t + 1 < total:
                 logits = model(ids[:, t : t + 1], cache=cache)[:, -1, :]  # one new token
+    release_decode_layouts(model)  # the weights' decode copies live as long as the decoding
     return ids

@@ -8,8 +8,7 @@ at most ``P`` FLOP/s and moves at most ``W`` bytes/s, it can reach at most
 
 a slanted roof (memory-bound) that meets a flat one (compute-bound) at the *ridge point*
 ``I* = P / W`` (Williams, Waterman and Patterson 2009). :func:`copy_bandwidth` and
-:func:`matmul_flops` measure ``W`` and ``P`` on the device at hand (:func:`gemv_bandwidth`: the
-bandwidth a batch-1 matrix-vector product draws, often below a copy's); :func:`decode_step_cost`
+:func:`matmul_flops` measure ``W`` and ``P`` on the device at hand; :func:`decode_step_cost`
 counts the FLOPs and bytes of one cached decode step of a decoder-only Transformer, so its
 intensity can be placed against that roof. Imports nothing of the package.
 """
@@ -61,25 +60,6 @@ def copy_bandwidth(
     dst = torch.empty_like(src)
     seconds = fastest_seconds(lambda: dst.copy_(src), device, repeats)
     return 2 * src.nbytes / seconds
-
-
-def gemv_bandwidth(
-    device: torch.device | str = "cpu", nbytes: int = 2**28, width: int = 768, repeats: int = 5
-) -> float:
-    """Bytes/s at which a matrix-vector product streams its matrix: ``F.linear`` of one token
-    (``[1, width]``) with an fp32 weight of ``nbytes`` (``[nbytes / 4 / width, width]``), the
-    operation a decode step at batch 1 spends its time in, fastest of ``repeats``.
-
-    Where it is below :func:`copy_bandwidth`, the product itself cannot draw the bandwidth a
-    copy does, and a decode step cannot either: it is the roof that code built on these
-    products can reach.
-    """
-    device = torch.device(device)
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(nbytes // 4 // width, width, generator=generator).to(device)
-    x = torch.randn(1, width, generator=generator).to(device)
-    seconds = fastest_seconds(lambda: torch.nn.functional.linear(x, weight), device, repeats)
-    return weight.nbytes / seconds
 
 
 def matmul_flops(

@@ -6,7 +6,8 @@ holds): the Kimi-Linear-style hybrid (KDA ×3 + MLA, :data:`BENCH_CONFIG`), the 
 MLA in every layer, and with chapter 2's multi-head softmax attention in every layer
 (:func:`decode_sweep`). :func:`against_transformers` times the same tiny hybrid generating with
 this library and with ``transformers``' ``KimiLinearForCausalLM`` on the same weights, and
-:func:`step_operations` counts the PyTorch operations one decode step runs and
+:func:`step_operations` counts the PyTorch operations one decode step runs
+(:func:`transformers_step_operations` those of ``transformers``' step) and
 :func:`dispatch_floor` times as many calls of an operator that does next to nothing.
 ``python -m gpt2kimi.bench hybrid`` prints both timings.
 """
@@ -65,7 +66,7 @@ def decode_timer(
     cache = model.new_cache(batch, context + steps)
     token = torch.zeros(batch, 1, dtype=torch.long)
 
-    @torch.no_grad()
+    @torch.inference_mode()  # as generate decodes
     def run() -> float:
         cache.reset()
         fill_cache(cache, context, torch.Generator().manual_seed(0))
@@ -161,16 +162,40 @@ class _CountOperations(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@torch.no_grad()
+@torch.inference_mode()  # as generate decodes
 def step_operations(model: nn.Module, context: int = 32, batch: int = 1) -> int:
     """How many PyTorch operator calls one greedy decode step of ``model`` runs after
-    ``context`` cached tokens: each is dispatched, checked and launched on its own, however
-    little arithmetic it does, so at batch 1 their number sets a floor under the step's time."""
-    cache = model.new_cache(batch, context + 1)
+    ``context`` cached tokens (a first step before the count makes what a step makes once):
+    each is dispatched, checked and launched on its own, however little arithmetic it does, so
+    at batch 1 their number sets a floor under the step's time."""
+    cache = model.new_cache(batch, context + 2)
     fill_cache(cache, context, torch.Generator().manual_seed(0))
     token = torch.zeros(batch, 1, dtype=torch.long)
+    model(token, cache=cache)
     with _CountOperations() as counter:
         model(token, cache=cache)
+    return counter.calls
+
+
+@torch.no_grad()  # as its generate decodes
+def transformers_step_operations(
+    config: HybridConfig = BENCH_CONFIG, prompt_len: int = 32
+) -> int:
+    """:func:`step_operations` for ``transformers``' ``KimiLinearForCausalLM`` of ``config``:
+    the operator calls of one decode step after a ``prompt_len``-token prompt (its PyTorch
+    fallbacks, counted as :func:`step_operations` counts the library's)."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    torch.manual_seed(0)
+    hf_config = KimiLinearConfig(**config.to_hf(), pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    hf = KimiLinearForCausalLM(hf_config).eval()
+    prompt = torch.randint(3, config.vocab_size, (1, prompt_len),
+                           generator=torch.Generator().manual_seed(1))
+    out = hf(prompt, use_cache=True)
+    token = out.logits[:, -1:].argmax(dim=-1)
+    hf(token, past_key_values=out.past_key_values, use_cache=True)
+    with _CountOperations() as counter:
+        hf(token, past_key_values=out.past_key_values, use_cache=True)
     return counter.calls
 
 

@@ -177,7 +177,7 @@ def _step_run(model: GPT2WithCache, cache, idx: torch.Tensor, keep: int):
     one forward pass of ``idx`` through it; returns the seconds of the pass."""
     cuda = idx.device.type == "cuda"
 
-    @torch.no_grad()
+    @torch.inference_mode()  # as generate decodes
     def run() -> float:
         cache.crop(keep)  # forget the previous step's tokens
         if cuda:
