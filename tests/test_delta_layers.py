@@ -112,3 +112,17 @@ def test_kda_decodes_from_an_empty_state_and_keeps_its_step_layout_current():
         layer.v_proj.weight.mul_(-1)
         y, _ = layer(x[:, :1], None, return_state=True)
         torch.testing.assert_close(y, layer(x[:, :2])[:, :1], atol=1e-10, rtol=1e-10)
+
+
+def test_kda_step_in_bfloat16_keeps_its_memory_and_gate_in_float32():
+    torch.manual_seed(0)
+    layer = KimiDeltaAttention(D_MODEL, N_HEAD, chunk_size=8).to(torch.bfloat16)
+    x = torch.randn(1, 5, D_MODEL, dtype=torch.bfloat16)
+    with torch.no_grad():
+        state, steps = None, []
+        for t in range(5):
+            y, state = layer(x[:, t : t + 1], state, return_state=True)
+            steps.append(y)
+        full = layer(x)
+    assert state.memory.dtype == torch.float32 and steps[0].dtype == torch.bfloat16
+    torch.testing.assert_close(torch.cat(steps, dim=1).float(), full.float(), atol=3e-2, rtol=3e-2)

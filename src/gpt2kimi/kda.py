@@ -158,7 +158,8 @@ class KimiDeltaAttention(DeltaNet):
         g = w.minus_A * F.softplus(a + w.dt_bias)  # log_decay, its rate −exp(A_log) made once
         o, memory = fused_recurrent_kda_step(state.memory, q, k, v, g, torch.sigmoid(b), D**-0.5)
         gate = g_a @ w.g_b if w.g_b_bias is None else torch.addmm(w.g_b_bias, g_a, w.g_b)
-        y = self.o_norm(o.to(x.dtype), gate.view(B, H, D)).view(B, -1) @ w.o
+        o = o if o.dtype == x.dtype else o.to(x.dtype)
+        y = self.o_norm(o, gate.view(B, H, D)).view(B, -1) @ w.o
         return y.view(B, 1, -1), DeltaNetState(memory, window[:, 1:])
 
     def step_weights(self) -> KDAStepWeights:

@@ -62,7 +62,9 @@ def route(x: Tensor, weight: Tensor, bias: Tensor | None, config: MoEConfig) -> 
     x [N, d], weight [E, d], bias [E] or None. The bias only *selects* (``scores + bias`` picks
     the experts); the weights come from the unbiased scores. Computed in fp32, as the reference.
     """
-    scores = F.linear(x.float(), weight.float())
+    # (in fp32: .float() costs a call even on an fp32 tensor, which a decoded token notices)
+    x, weight = (t if t.dtype == torch.float32 else t.float() for t in (x, weight))
+    scores = F.linear(x, weight)
     scores = scores.sigmoid() if config.router == "sigmoid" else scores.softmax(dim=-1)
     choice = scores if bias is None else scores + bias
     if config.n_group > 1:

@@ -210,9 +210,10 @@ def fused_recurrent_kda_step(
     v [B, H, V]; beta [B, H]. Returns ``(o [B, H, V], the new memory)``, both in memory's dtype.
     """
     B, H, K, V = memory.shape
-    if q.dtype != memory.dtype:  # (a call each, even when there is nothing to convert)
-        q, k, v, beta = (x.to(memory.dtype) for x in (q, k, v, beta))
-    S = (memory * g.exp()[..., None]).to(memory.dtype).contiguous()  # Diag(α) S, a fresh tensor
+    dtype = memory.dtype
+    if q.dtype != dtype or g.dtype != dtype:  # (.to costs a call even when it converts nothing)
+        q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    S = (memory * g.exp()[..., None]).contiguous()  # Diag(α) S, a fresh tensor
     S_ = S.view(B * H, K, V)
     k_ = k.reshape(B * H, 1, K)
     error = (v.reshape(B * H, 1, V) - torch.bmm(k_, S_)) * beta.reshape(B * H, 1, 1)
