@@ -98,17 +98,25 @@ def test_one_token_steps_use_the_recurrence_and_equal_the_chunk_form(cls, monkey
     torch.testing.assert_close(state.memory, full_state.memory, atol=1e-10, rtol=1e-10)
 
 
+@torch.no_grad()
+def decode_one_by_one(layer, x):
+    """Every token of x [B, T, d] through the layer's one-token step, from no state: the
+    outputs [B, T, d] and the last state."""
+    state, steps = None, []
+    for t in range(x.shape[1]):
+        y, state = layer(x[:, t : t + 1], state, return_state=True)
+        steps.append(y)
+    return torch.cat(steps, dim=1), state
+
+
 def test_kda_decodes_from_an_empty_state_and_keeps_its_step_layout_current():
     """KDA's one-token step from no state at all equals the chunk form token by token, and
     after its weights change it reads the new ones (its stacked layout is made again)."""
     layer = make_layer(KimiDeltaAttention)
     x = torch.randn(2, 6, D_MODEL, dtype=torch.float64)
     with torch.no_grad():
-        state, steps = None, []
-        for t in range(6):
-            y, state = layer(x[:, t : t + 1], state, return_state=True)
-            steps.append(y)
-        torch.testing.assert_close(torch.cat(steps, dim=1), layer(x), atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(decode_one_by_one(layer, x)[0], layer(x), atol=1e-10,
+                                   rtol=1e-10)
         layer.v_proj.weight.mul_(-1)
         y, _ = layer(x[:, :1], None, return_state=True)
         torch.testing.assert_close(y, layer(x[:, :2])[:, :1], atol=1e-10, rtol=1e-10)
@@ -118,11 +126,8 @@ def test_kda_step_in_bfloat16_keeps_its_memory_and_gate_in_float32():
     torch.manual_seed(0)
     layer = KimiDeltaAttention(D_MODEL, N_HEAD, chunk_size=8).to(torch.bfloat16)
     x = torch.randn(1, 5, D_MODEL, dtype=torch.bfloat16)
+    steps, state = decode_one_by_one(layer, x)
     with torch.no_grad():
-        state, steps = None, []
-        for t in range(5):
-            y, state = layer(x[:, t : t + 1], state, return_state=True)
-            steps.append(y)
         full = layer(x)
-    assert state.memory.dtype == torch.float32 and steps[0].dtype == torch.bfloat16
-    torch.testing.assert_close(torch.cat(steps, dim=1).float(), full.float(), atol=3e-2, rtol=3e-2)
+    assert state.memory.dtype == torch.float32 and steps.dtype == torch.bfloat16
+    torch.testing.assert_close(steps.float(), full.float(), atol=3e-2, rtol=3e-2)
