@@ -187,8 +187,8 @@ def generate(
             ids[:, t : t + 1] = sample_next_token(logits, temperature, top_k, generator)
         return ids
     # inference mode: no_grad that also skips autograd's bookkeeping (version counters, views'
-    # metadata) in every operator call, which at one token per step is much of the cost; ids
-    # stays a normal tensor (made outside, written in place), so it can feed training later
+    # metadata) in every operator call, a cost that one token per step pays hundreds of times;
+    # ids stays a normal tensor (made outside, written in place), so it can feed training later
     with torch.inference_mode():
         cache = model.new_cache(B, total)
         logits = model(prompt_ids, cache=cache)[:, -1, :]  # prefill: the prompt in one pass

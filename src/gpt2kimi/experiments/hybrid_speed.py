@@ -134,20 +134,30 @@ def against_transformers(
     """Seconds to generate ``new_tokens`` greedy tokens with this library and with
     ``transformers`` (its PyTorch fallbacks) on the same weights, the fastest of ``rounds``
     interleaved rounds; the outputs are checked equal."""
-    from transformers import KimiLinearConfig, KimiLinearForCausalLM
-
     torch.manual_seed(0)
     model = KimiHybrid(config).eval()
-    hf_config = KimiLinearConfig(**config.to_hf(), pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    hf = KimiLinearForCausalLM(hf_config).eval()
+    hf = _transformers_hybrid(config)
     hf.load_state_dict(to_hf_state_dict(model))
-    prompt = torch.randint(3, config.vocab_size, (1, prompt_len),
-                           generator=torch.Generator().manual_seed(1))
+    prompt = _prompt(config, prompt_len)
 
     same, best = greedy_side_by_side(model, hf, prompt, new_tokens, rounds)
     t_ours, t_theirs = best["ours"], best["theirs"]
     return {"ours_s": t_ours, "transformers_s": t_theirs, "same_tokens": same,
             "prompt_len": prompt_len, "new_tokens": new_tokens}
+
+
+def _transformers_hybrid(config: HybridConfig) -> nn.Module:
+    """``transformers``' ``KimiLinearForCausalLM`` of ``config`` (fresh weights), for inference."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    hf_config = KimiLinearConfig(**config.to_hf(), pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return KimiLinearForCausalLM(hf_config).eval()
+
+
+def _prompt(config: HybridConfig, length: int) -> torch.Tensor:
+    """The benchmarks' seeded prompt of ``length`` tokens, batch 1 (no special token ids)."""
+    return torch.randint(3, config.vocab_size, (1, length),
+                         generator=torch.Generator().manual_seed(1))
 
 
 class _CountOperations(TorchDispatchMode):
@@ -184,14 +194,9 @@ def transformers_step_operations(
     """:func:`step_operations` for ``transformers``' ``KimiLinearForCausalLM`` of ``config``:
     the operator calls of one decode step after a ``prompt_len``-token prompt (its PyTorch
     fallbacks, counted as :func:`step_operations` counts the library's)."""
-    from transformers import KimiLinearConfig, KimiLinearForCausalLM
-
     torch.manual_seed(0)
-    hf_config = KimiLinearConfig(**config.to_hf(), pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    hf = KimiLinearForCausalLM(hf_config).eval()
-    prompt = torch.randint(3, config.vocab_size, (1, prompt_len),
-                           generator=torch.Generator().manual_seed(1))
-    out = hf(prompt, use_cache=True)
+    hf = _transformers_hybrid(config)
+    out = hf(_prompt(config, prompt_len), use_cache=True)
     token = out.logits[:, -1:].argmax(dim=-1)
     hf(token, past_key_values=out.past_key_values, use_cache=True)
     with _CountOperations() as counter:
