@@ -301,6 +301,29 @@ def test_swiglu_decodes_a_few_tokens_through_its_stacked_weights():
     torch.testing.assert_close(ffn(x), plain, atol=0, rtol=0)
 
 
+def test_rmsnorm_decodes_through_the_fused_kernel_with_the_same_bits(monkeypatch):
+    """A decoded token in fp32 goes through F.rms_norm, bit for bit the six operations as
+    written; a prompt, fp64 or autograd take the written form."""
+    from gpt2kimi.backbone import DECODE_TOKENS
+
+    torch.manual_seed(0)
+    norm = RMSNorm(64, eps=1e-6)
+    nn.init.normal_(norm.weight)
+    fused = []
+    monkeypatch.setattr(F, "rms_norm", lambda *a: fused.append(1) or torch.rms_norm(*a))
+    for scale in (1e-3, 1.0, 1e3):
+        x = torch.randn(DECODE_TOKENS, 1, 64) * scale
+        written = norm(x)  # gradients enabled: the written form
+        assert not fused
+        with torch.no_grad():
+            assert torch.equal(norm(x), written) and len(fused) == 1
+            norm(torch.randn(1, DECODE_TOKENS + 1, 64))  # a prompt
+            norm.double()(x.double())  # fp64
+            norm.float()
+        assert len(fused) == 1
+        fused.clear()
+
+
 def test_dropout_runs_only_while_training():
     torch.manual_seed(0)
     cfg = BackboneConfig(vocab_size=50, d_model=32, n_layer=2, n_head=4, dropout=0.5)

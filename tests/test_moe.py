@@ -333,16 +333,18 @@ def test_moe_ffn_in_the_backbone_through_the_zoo():
 
 
 def test_a_few_tokens_take_one_expert_call_per_pair_and_equal_the_dispatch(monkeypatch):
-    """Fewer (token, expert) pairs than experts go through dispatch_pairs, which equals the
-    sorted dispatch and the per-token definition; as many pairs as experts or more go through
-    dispatch."""
+    """Fewer (token, expert) pairs than experts go through dispatch_pairs; a decoded batch (at
+    most DECODE_TOKENS tokens, no autograd) with as many pairs as experts or more through
+    dispatch_all; anything larger, or with autograd, through dispatch. All equal the sorted
+    dispatch and the per-token definition."""
     import gpt2kimi.moe as moe_module
+    from gpt2kimi.backbone import DECODE_TOKENS
 
     torch.manual_seed(0)
     config = MoEConfig(d_model=32, n_experts=16, top_k=2, expert_hidden=24, n_shared_experts=1)
     layer = MoE(config).double().eval()
     calls = []
-    for name in ("dispatch", "dispatch_pairs"):
+    for name in ("dispatch", "dispatch_pairs", "dispatch_all"):
         original = getattr(moe_module, name)
 
         def spy(*args, original=original, name=name):
@@ -351,17 +353,22 @@ def test_a_few_tokens_take_one_expert_call_per_pair_and_equal_the_dispatch(monke
 
         monkeypatch.setattr(moe_module, name, spy)
     experts = layer.experts
+    weights = (experts.gate_up_proj, experts.down_proj)
     with torch.no_grad():
-        few = torch.randn(1, 3, 32, dtype=torch.float64)  # 6 pairs < 16 experts
-        y = layer(few)
-        assert calls == ["dispatch_pairs"]
-        torch.testing.assert_close(y, moe_reference(layer, few), atol=1e-12, rtol=1e-12)
-        flat = few.reshape(-1, 32)
-        routing = layer.gate(flat)
-        weights = (experts.gate_up_proj, experts.down_proj)
-        torch.testing.assert_close(moe_module.dispatch_pairs(flat, routing, *weights),
-                                   moe_module.dispatch(flat, routing, *weights),
-                                   atol=1e-12, rtol=1e-12)
-        calls.clear()
-        layer(torch.randn(2, 4, 32, dtype=torch.float64))  # 16 pairs: as many as experts
-        assert calls == ["dispatch"]
+        for shape, path in [((1, 3, 32), "dispatch_pairs"),  # 6 pairs < 16 experts
+                            ((2, 4, 32), "dispatch_all"),  # 16 pairs, 8 tokens: a decoded batch
+                            ((1, DECODE_TOKENS + 1, 32), "dispatch")]:
+            x = torch.randn(*shape, dtype=torch.float64)
+            calls.clear()
+            y = layer(x)
+            assert calls == [path]
+            torch.testing.assert_close(y, moe_reference(layer, x), atol=1e-12, rtol=1e-12)
+            flat = x.reshape(-1, 32)
+            routing = layer.gate(flat)
+            if path != "dispatch":
+                torch.testing.assert_close(getattr(moe_module, path)(flat, routing, *weights),
+                                           moe_module.dispatch(flat, routing, *weights),
+                                           atol=1e-12, rtol=1e-12)
+    calls.clear()
+    layer(torch.randn(2, 4, 32, dtype=torch.float64))  # with autograd: never the decode path
+    assert calls == ["dispatch"]

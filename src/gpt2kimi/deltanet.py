@@ -81,14 +81,10 @@ class DeltaNet(nn.Module):
         self.o_proj = nn.Linear(width, d_model, bias=False)
 
     def qkv(
-        self, x: Tensor, state: DeltaNetState | None, projected: Tensor | None = None
+        self, x: Tensor, state: DeltaNetState | None
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """q, k (unit length) and v per head [B, T, H, head_dim], and the new convolution tail.
-
-        ``projected``: x's q, k and v projections side by side, when the caller has made them."""
-        if projected is None:
-            projected = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        qkv = projected
+        """q, k (unit length) and v per head [B, T, H, head_dim], and the new convolution tail."""
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         qkv, conv = self.conv1d(qkv, None if state is None else state.conv)
         q, k, v = F.silu(qkv).unflatten(-1, (3, self.n_head, self.head_dim)).unbind(dim=2)
         return l2_normalize(q), l2_normalize(k), v, conv

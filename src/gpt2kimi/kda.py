@@ -63,7 +63,7 @@ class KDAStepWeights(NamedTuple):
     proj: Tensor
     conv: Tensor
     f_b: Tensor
-    minus_A: Tensor
+    A_log: Tensor
     dt_bias: Tensor
     g_b: Tensor
     g_b_bias: Tensor | None
@@ -152,10 +152,7 @@ class KimiDeltaAttention(DeltaNet):
         qkv = F.silu((window * w.conv).sum(dim=1))  # the short convolution's new output
         q, k = l2_normalize(qkv[:, : 2 * H * D].view(B, 2, H, D)).unbind(dim=1)
         v = qkv[:, 2 * H * D :].view(B, H, D)
-        a = (f_a @ w.f_b).view(B, H, D)
-        if a.dtype != state.memory.dtype:  # the gate in fp32 at least, as log_decay computes it
-            a = a.to(state.memory.dtype)
-        g = w.minus_A * F.softplus(a + w.dt_bias)  # log_decay, its rate −exp(A_log) made once
+        g = log_decay((f_a @ w.f_b).view(B, H, D), w.A_log, w.dt_bias)  # the forget gate
         o, memory = fused_recurrent_kda_step(state.memory, q, k, v, g, torch.sigmoid(b), D**-0.5)
         gate = g_a @ w.g_b if w.g_b_bias is None else torch.addmm(w.g_b_bias, g_a, w.g_b)
         o = o if o.dtype == x.dtype else o.to(x.dtype)
@@ -174,7 +171,7 @@ class KimiDeltaAttention(DeltaNet):
                 proj=proj.t().contiguous(),  # [d_model, 3·H·D + H + 2·D]
                 conv=self.conv1d.weight[:, 0].t().contiguous(),  # [conv_size, 3·H·D]
                 f_b=gate.f_b_proj.weight.t().contiguous(),  # [D, H·D]
-                minus_A=-gate.A_log.view(-1, 1).exp(),  # [H, 1]
+                A_log=gate.A_log.view(-1, 1),  # [H, 1]
                 dt_bias=gate.dt_bias.view(-1, self.head_dim),  # [H, D]
                 g_b=self.g_b_proj.weight.t().contiguous(),  # [D, H·D]
                 g_b_bias=self.g_b_proj.bias,

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpt2kimi.backbone import SwiGLU, swiglu
+from gpt2kimi.backbone import SwiGLU, is_decode_step, swiglu
 from gpt2kimi.configs import MoEConfig
 
 # ----------------------------------------------------------------------------------------------
@@ -141,11 +141,29 @@ def dispatch_pairs(
     return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
+def dispatch_all(x: Tensor, routing: Routing, gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:
+    """:func:`dispatch` for a decoded batch whose tokens reach about every expert: every expert
+    runs on every token, in one batched matrix product per weight, and each token's experts it
+    did not choose are weighted 0. x [N, d] → [N, d]; equal to :func:`dispatch` up to the order
+    of the sum over experts.
+
+    E/k times the arithmetic of :func:`dispatch`, on weights it reads anyway (with N·k >= E
+    pairs most experts are hit), in a fixed handful of calls instead of several per expert: at
+    a few tokens the calls, not the arithmetic, set the time.
+    """
+    E = gate_up_proj.shape[0]
+    weights = x.new_zeros(len(x), E).scatter_(1, routing.experts, routing.weights.to(x.dtype))
+    gate, up = torch.matmul(x, gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # [E, N, I] each
+    hidden = F.silu(gate) * up * weights.t()[..., None]  # scaled by w_{n,e}, 0 if not chosen
+    return torch.bmm(hidden, down_proj.transpose(1, 2)).sum(dim=0)  # Σ_e: [N, d]
+
+
 class Experts(nn.Module):
     """E SwiGLU experts stored as two stacked tensors, the layout of ``transformers``.
 
-    Fewer (token, expert) pairs than experts (decoding) go through :func:`dispatch_pairs`,
-    more through :func:`dispatch`: the loop runs at most ``min(N·k, E)`` expert calls.
+    Fewer (token, expert) pairs than experts (decoding) go through :func:`dispatch_pairs`, and
+    a decoded batch with more through :func:`dispatch_all`; everything else through
+    :func:`dispatch`, whose loop runs at most ``min(N·k, E)`` expert calls.
     """
 
     def __init__(self, config: MoEConfig) -> None:
@@ -155,8 +173,10 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.randn(E, d, I) * 0.02)
 
     def forward(self, x: Tensor, routing: Routing) -> Tensor:
-        few = 0 < routing.experts.numel() < len(self.gate_up_proj)
-        run = dispatch_pairs if few else dispatch
+        if 0 < routing.experts.numel() < len(self.gate_up_proj):
+            run = dispatch_pairs
+        else:
+            run = dispatch_all if is_decode_step(x) else dispatch
         return run(x, routing, self.gate_up_proj, self.down_proj)
 
 
