@@ -201,9 +201,9 @@ def masked_exp(x: Tensor, keep: Tensor) -> Tensor:
 
     The mask is applied *before* exp: the dropped entries become 0, so exp never sees the large
     positive exponents that would overflow to inf (and inf · 0 = nan); multiplying by ``keep``
-    again zeroes them. Exponents are floored at log(tiny) of the dtype (about −87 in fp32): a
-    decay below ~1e-38 is zero in effect, and CPUs compute exp of −inf or into the subnormal
-    range many times slower.
+    again zeroes them. Exponents are floored one above log(tiny) of the dtype (about −86 in
+    fp32): a decay below ~1e-37 is zero in effect, and CPUs compute exp of −inf or into the
+    subnormal range many times slower (exp(log(tiny)) itself rounds just below tiny).
     """
-    floor = math.log(torch.finfo(x.dtype).tiny)
+    floor = math.log(torch.finfo(x.dtype).tiny) + 1.0
     return (x * keep).clamp_min(floor).exp() * keep
