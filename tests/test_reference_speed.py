@@ -47,7 +47,11 @@ def test_summary_rows_say_whether_the_target_is_met():
 def test_step_operations_counts_every_call_of_one_decode_step():
     import torch
 
-    from gpt2kimi.experiments.hybrid_speed import dispatch_floor, step_operations
+    from gpt2kimi.experiments.hybrid_speed import (
+        dispatch_floor,
+        step_against_floor,
+        step_operations,
+    )
 
     model = torch.nn.Linear(3, 3)  # not a language model: no cache, so it cannot decode
     with pytest.raises(AttributeError):
@@ -58,6 +62,8 @@ def test_step_operations_counts_every_call_of_one_decode_step():
     calls = step_operations(gpt, context=4)
     assert calls == step_operations(gpt, context=8) > 10  # a count, the same at any context
     assert dispatch_floor(10, rounds=1) > 0
+    n, step_s, floor_s = step_against_floor(gpt, context=4, steps=2, rounds=1)
+    assert n == calls and step_s > 0 and floor_s > 0
 
 
 def test_transformers_decode_step_is_counted_the_same_way():

@@ -8,7 +8,8 @@ MLA in every layer, and with chapter 2's multi-head softmax attention in every l
 this library and with ``transformers``' ``KimiLinearForCausalLM`` on the same weights, and
 :func:`step_operations` counts the PyTorch operations one decode step runs
 (:func:`transformers_step_operations` those of ``transformers``' step) and
-:func:`dispatch_floor` times as many calls of an operator that does next to nothing.
+:func:`dispatch_floor` times as many calls of an operator that does next to nothing
+(:func:`step_against_floor`: both timed side by side).
 ``python -m gpt2kimi.bench hybrid`` prints both timings.
 """
 
@@ -208,10 +209,28 @@ def dispatch_floor(calls: int, rounds: int = 5) -> float:
     """Seconds that ``calls`` calls of an operator doing next to nothing (adding 0 to a single
     number) take, the fastest of ``rounds``: what a step's operator calls cost before any of
     them computes."""
+    return fastest_interleaved({"floor": timed(_no_op_calls(calls))}, rounds)["floor"]
+
+
+def step_against_floor(
+    model: nn.Module, context: int = 1024, *, batch: int = 1, steps: int = 8, rounds: int = 5
+) -> tuple[int, float, float]:
+    """``(calls, step seconds, floor seconds)``: the operator calls of one greedy decode step of
+    ``model`` after ``context`` cached tokens (:func:`step_operations`), the step's time, and
+    the time of as many calls of :func:`dispatch_floor`'s no-op, the two timed in the same
+    interleaved rounds so that a busy moment of the machine slows both alike."""
+    calls = step_operations(model, context, batch)
+    best = fastest_interleaved({"step": decode_timer(model, context, batch=batch, steps=steps),
+                                "floor": timed(_no_op_calls(calls * steps))}, rounds)
+    return calls, best["step"] / steps, best["floor"] / steps
+
+
+def _no_op_calls(calls: int) -> Callable[[], None]:
+    """A function that calls an operator doing next to nothing ``calls`` times."""
     x = torch.zeros(1)
 
     def run() -> None:
         for _ in range(calls):
             torch.add(x, 0)
 
-    return fastest_interleaved({"floor": timed(run)}, rounds)["floor"]
+    return run
