@@ -333,3 +333,35 @@ def test_dropout_runs_only_while_training():
         assert not torch.equal(model(x), model(x))  # training: dropout draws masks
         model.eval()
         assert torch.equal(model(x), model(x))
+
+
+def test_transposed_copies_block_by_block_whatever_the_shape():
+    from gpt2kimi.backbone import transposed
+
+    w = torch.randn(1000, 24)
+    for rows in (1, 7, 256, 5000):  # a last block shorter than the others, or one block
+        t = transposed(w, rows)
+        assert t.is_contiguous() and torch.equal(t, w.t())
+
+
+def test_store_transposed_keeps_the_layers_values_names_and_training():
+    """Each nn.Linear's weight moves to [in, out] memory order: the same values, keys, shapes
+    and outputs (prompt and decoded token), and it still trains."""
+    from gpt2kimi.backbone import store_transposed
+
+    torch.manual_seed(0)
+    model = LanguageModel(CFG, CausalMean)
+    x = ids()
+    with torch.no_grad():
+        before, state = model(x), {k: v.clone() for k, v in model.state_dict().items()}
+        step_before = model(x[:, :1])
+    assert store_transposed(model.blocks) is model.blocks
+    weights = [m.weight for m in model.blocks.modules() if isinstance(m, nn.Linear)]
+    assert weights and all(w.t().is_contiguous() and not w.is_contiguous() for w in weights)
+    after = model.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(model(x[:, :1]), step_before, atol=1e-6, rtol=1e-5)
+    model(x, x)[1].backward()
+    assert all(w.grad is not None and w.grad.shape == w.shape for w in weights)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpt2kimi.backbone import BackboneConfig, LanguageModel
+from gpt2kimi.backbone import BackboneConfig, LanguageModel, store_transposed
 from gpt2kimi.gpt2 import GPT2, MLP, GPT2Config
 from gpt2kimi.kv_cache import LayerKVCache
 
@@ -202,6 +202,7 @@ class GPT2WithCache(LanguageModel):
         mixer = functools.partial(SoftmaxAttention, n_kv_heads=n_kv_heads, dropout=config.dropout)
         mlp_config = replace(config, dropout=0.0)  # the block drops the MLP's output itself
         super().__init__(backbone, mixer, lambda d_model: MLP(mlp_config))
+        store_transposed(self.blocks)  # every matrix [in, out] in memory, as GPT-2's checkpoint
 
     @classmethod
     def from_gpt2(cls, model: GPT2, *, copy: bool = True) -> GPT2WithCache:
@@ -209,9 +210,10 @@ class GPT2WithCache(LanguageModel):
         names (:data:`GPT2_TO_BACKBONE`).
 
         ``copy=True`` gives the new model its own copy of the weights (the original is left
-        untouched whatever happens to the copy); ``copy=False`` shares the very same tensors,
-        which costs nothing. Either way the model is built on the meta device, so no time goes
-        into initialising weights that are then replaced.
+        untouched whatever happens to the copy), the blocks' matrices stored [in, out] as in
+        ``__init__``; ``copy=False`` shares the very same tensors, which costs nothing, in
+        the original's memory order. Either way the model is built on the meta device, so no
+        time goes into initialising weights that are then replaced.
         """
         with torch.device("meta"):
             new = cls(model.config)
@@ -219,5 +221,7 @@ class GPT2WithCache(LanguageModel):
         if copy:
             state = {name: tensor.clone() for name, tensor in state.items()}
         new.load_state_dict(state, assign=True)
+        if copy:
+            store_transposed(new.blocks)
         new.lm_head.weight = new.embed.weight  # tie again: assign set two tensors
         return new.train(model.training)
