@@ -71,3 +71,12 @@ def test_transformers_decode_step_is_counted_the_same_way():
 
     calls = transformers_step_operations(prompt_len=4)  # the book's tiny hybrid
     assert calls == transformers_step_operations(prompt_len=6) > 10
+
+
+def test_prefill_and_step_time_the_same_decoding_on_both_sides():
+    from gpt2kimi.experiments.hybrid_speed import prefill_and_step
+
+    result = prefill_and_step(prompt_len=5, steps=3, rounds=1)  # the book's tiny hybrid
+    assert result["same_tokens"]
+    for side in ("ours", "transformers"):
+        assert result[side]["prefill_s"] > 0 and result[side]["step_s"] > 0

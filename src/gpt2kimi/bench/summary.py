@@ -12,7 +12,9 @@ Rows (each measured side by side in interleaved rounds, on the same weights):
   the library's lead can be;
 - the tiny hybrid's greedy generation against ``transformers``' ``KimiLinearForCausalLM``
   (a 256-token prompt included), :func:`gpt2kimi.experiments.hybrid_speed.against_transformers`,
-  and the two decode steps' operator calls (at batch 1 a step's time follows their number);
+  then its two parts, the prompt's prefill and one decode step, timed apart
+  (:func:`~gpt2kimi.experiments.hybrid_speed.prefill_and_step`), and the two decode steps'
+  operator calls (at batch 1 a step's time follows their number);
 - GPT-2 small's cached greedy decode against ``transformers``' ``generate``, and its tokens
   per second against the decode roofline measured in the same run and against its own
   matrix-vector products run alone (which on a CPU draw less than a copy's bandwidth),
@@ -37,6 +39,7 @@ from gpt2kimi.experiments.hybrid_speed import (
     BENCH_CONFIG,
     against_transformers,
     decode_sweep,
+    prefill_and_step,
     step_operations,
     transformers_step_operations,
 )
@@ -84,13 +87,23 @@ def rows(rounds: int = 3, quick: bool = False) -> list[Row]:
     out.append(Row("hybrid generate vs transformers KimiLinearForCausalLM",
                    f"{gen['ours_s'] * 1e3:.0f} ms", f"{gen['transformers_s'] * 1e3:.0f} ms",
                    gen["transformers_s"] / gen["ours_s"], 3.0))
+    # the generation split in two: the prompt read at once, then one token at a time
+    parts = prefill_and_step(prompt_len=32 if quick else 256, steps=4 if quick else 16,
+                             rounds=rounds)
+    ours, theirs = parts["ours"], parts["transformers"]
+    out.append(Row("  its prompt's prefill: transformers over ours",
+                   f"{ours['prefill_s'] * 1e3:.1f} ms", f"{theirs['prefill_s'] * 1e3:.1f} ms",
+                   theirs["prefill_s"] / ours["prefill_s"], None))
+    out.append(Row("  one decode step after it: transformers over ours",
+                   f"{ours['step_s'] * 1e3:.2f} ms", f"{theirs['step_s'] * 1e3:.2f} ms",
+                   theirs["step_s"] / ours["step_s"], None))
     # at batch 1 a decode step's time follows its number of operator calls (chapter 8)
     calls = step_operations(KimiHybrid(BENCH_CONFIG).eval(), context=32)
     hf_calls = transformers_step_operations(BENCH_CONFIG, prompt_len=32)
     out.append(Row("  operator calls per decode step: transformers over ours",
                    f"{calls} calls", f"{hf_calls} calls", hf_calls / calls, None))
     dec = gpt2_decode(new_tokens=8 if quick else 64, rounds=rounds)
-    if not (gen["same_tokens"] and dec["same_tokens"]):
+    if not (gen["same_tokens"] and parts["same_tokens"] and dec["same_tokens"]):
         raise RuntimeError("the library and transformers generated different tokens")
     out.append(Row("GPT-2 small cached greedy decode vs transformers generate",
                    f"{dec['ours_s'] * 1e3:.0f} ms", f"{dec['transformers_s'] * 1e3:.0f} ms",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -145,6 +146,63 @@ def against_transformers(
     t_ours, t_theirs = best["ours"], best["theirs"]
     return {"ours_s": t_ours, "transformers_s": t_theirs, "same_tokens": same,
             "prompt_len": prompt_len, "new_tokens": new_tokens}
+
+
+@torch.no_grad()
+def prefill_and_step(
+    config: HybridConfig = BENCH_CONFIG, prompt_len: int = 256, steps: int = 16, rounds: int = 3,
+) -> dict:
+    """Where :func:`against_transformers`' time goes: the prompt's prefill, and one greedy
+    decode step after it (the mean of ``steps``), for this library and for ``transformers``'
+    ``KimiLinearForCausalLM`` on the same weights; the four timed side by side, each the fastest
+    of ``rounds`` interleaved rounds. Returns ``{"ours": {"prefill_s", "step_s"},
+    "transformers": {...}, "same_tokens"}`` (whether the two decoded the same tokens): a
+    generation of n tokens takes about ``prefill_s + (n − 1) · step_s``.
+    """
+    torch.manual_seed(0)
+    model = KimiHybrid(config).eval()
+    hf = _transformers_hybrid(config)
+    hf.load_state_dict(to_hf_state_dict(model))
+    prompt = _prompt(config, prompt_len)
+    decoded: dict[str, list[int]] = {}  # each side's tokens, from its last timed steps
+
+    @torch.inference_mode()  # as generate runs
+    def ours(part: str) -> float:
+        cache = model.new_cache(1, prompt_len + steps)
+        start = time.perf_counter()
+        token = model(prompt, cache=cache)[:, -1:].argmax(dim=-1)
+        if part == "prefill":
+            return time.perf_counter() - start
+        start = time.perf_counter()  # the steps' clock: the prefill is left out
+        tokens = [token]
+        for _ in range(steps):
+            token = model(token, cache=cache)[:, -1:].argmax(dim=-1)
+            tokens.append(token)
+        seconds = (time.perf_counter() - start) / steps
+        decoded["ours"] = torch.cat(tokens, dim=1).tolist()
+        return seconds
+
+    def theirs(part: str) -> float:
+        start = time.perf_counter()
+        out = hf(prompt, use_cache=True)
+        if part == "prefill":
+            return time.perf_counter() - start
+        start = time.perf_counter()
+        tokens = [out.logits[:, -1:].argmax(dim=-1)]
+        for _ in range(steps):
+            out = hf(tokens[-1], past_key_values=out.past_key_values, use_cache=True)
+            tokens.append(out.logits[:, -1:].argmax(dim=-1))
+        seconds = (time.perf_counter() - start) / steps
+        decoded["transformers"] = torch.cat(tokens, dim=1).tolist()
+        return seconds
+
+    parts = ("prefill", "step")
+    models = {"ours": ours, "transformers": theirs}
+    best = fastest_interleaved({f"{name} {part}": partial(fn, part)
+                                for name, fn in models.items() for part in parts}, rounds)
+    result: dict = {name: {f"{part}_s": best[f"{name} {part}"] for part in parts}
+                    for name in models}
+    return result | {"same_tokens": decoded["ours"] == decoded["transformers"]}
 
 
 def _transformers_hybrid(config: HybridConfig) -> nn.Module:
