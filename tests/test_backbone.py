@@ -345,8 +345,8 @@ def test_transposed_copies_block_by_block_whatever_the_shape():
 
 
 def test_store_transposed_keeps_the_layers_values_names_and_training():
-    """Each nn.Linear's weight moves to [in, out] memory order: the same values, keys, shapes
-    and outputs (prompt and decoded token), and it still trains."""
+    """Each widening nn.Linear's weight moves to [in, out] memory order, a narrowing one stays:
+    the same values, keys, shapes and outputs (prompt and decoded token), and it still trains."""
     from gpt2kimi.backbone import store_transposed
 
     torch.manual_seed(0)
@@ -356,8 +356,12 @@ def test_store_transposed_keeps_the_layers_values_names_and_training():
         before, state = model(x), {k: v.clone() for k, v in model.state_dict().items()}
         step_before = model(x[:, :1])
     assert store_transposed(model.blocks) is model.blocks
-    weights = [m.weight for m in model.blocks.modules() if isinstance(m, nn.Linear)]
-    assert weights and all(w.t().is_contiguous() and not w.is_contiguous() for w in weights)
+    linears = [m for m in model.blocks.modules() if isinstance(m, nn.Linear)]
+    widening = [m.out_features >= m.in_features for m in linears]
+    assert any(widening) and not all(widening)  # the SwiGLU's down projection narrows
+    for m, wide in zip(linears, widening, strict=True):
+        assert m.weight.t().is_contiguous() == wide and m.weight.is_contiguous() != wide
+    weights = [m.weight for m in linears]
     after = model.state_dict()
     assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
     with torch.no_grad():

@@ -196,15 +196,17 @@ def test_converting_shares_or_copies_the_weights():
     assert wte.abs().sum() > 0  # the original is untouched by what happens to a copy
 
 
-def test_the_blocks_store_each_matrix_in_input_major_order():
-    """GPT2WithCache keeps its blocks' weights [in, out] in memory (seen as [out, in]), built
-    or converted with copy=True; copy=False keeps the original's tensors as they are."""
+def test_the_blocks_store_their_widening_matrices_in_input_major_order():
+    """GPT2WithCache keeps c_attn, attention's c_proj and c_fc [in, out] in memory (seen as
+    [out, in]) and the MLP's narrowing c_proj as it is, built or converted with copy=True;
+    copy=False keeps the original's tensors as they are."""
     gpt2 = tiny_model(cls=GPT2)
     c_fc = gpt2.transformer.h[0].mlp.c_fc.weight
     for model in (tiny_model(), GPT2WithCache.from_gpt2(gpt2)):
-        linears = [m for m in model.blocks.modules() if isinstance(m, torch.nn.Linear)]
-        assert len(linears) == 4 * len(model.blocks)
-        assert all(m.weight.t().is_contiguous() for m in linears)
+        for block in model.blocks:
+            for m in (block.mixer.c_attn, block.mixer.c_proj, block.ffn.c_fc):
+                assert m.weight.t().is_contiguous() and not m.weight.is_contiguous()
+            assert block.ffn.c_proj.weight.is_contiguous()  # 4·d → d: rows of dot products
     copied = GPT2WithCache.from_gpt2(gpt2).blocks[0].ffn.c_fc.weight
     assert torch.equal(copied, c_fc) and copied.shape == c_fc.shape and copied.requires_grad
     shared = GPT2WithCache.from_gpt2(gpt2, copy=False).blocks[0].ffn.c_fc.weight

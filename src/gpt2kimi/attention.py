@@ -202,7 +202,7 @@ class GPT2WithCache(LanguageModel):
         mixer = functools.partial(SoftmaxAttention, n_kv_heads=n_kv_heads, dropout=config.dropout)
         mlp_config = replace(config, dropout=0.0)  # the block drops the MLP's output itself
         super().__init__(backbone, mixer, lambda d_model: MLP(mlp_config))
-        store_transposed(self.blocks)  # every matrix [in, out] in memory, as GPT-2's checkpoint
+        store_transposed(self.blocks)  # widening matrices [in, out] in memory
 
     @classmethod
     def from_gpt2(cls, model: GPT2, *, copy: bool = True) -> GPT2WithCache:
@@ -210,8 +210,8 @@ class GPT2WithCache(LanguageModel):
         names (:data:`GPT2_TO_BACKBONE`).
 
         ``copy=True`` gives the new model its own copy of the weights (the original is left
-        untouched whatever happens to the copy), the blocks' matrices stored [in, out] as in
-        ``__init__``; ``copy=False`` shares the very same tensors, which costs nothing, in
+        untouched whatever happens to the copy), the blocks' widening matrices stored [in, out]
+        as in ``__init__``; ``copy=False`` shares the very same tensors, which costs nothing, in
         the original's memory order. Either way the model is built on the meta device, so no
         time goes into initialising weights that are then replaced.
         """

@@ -653,17 +653,19 @@ def transposed(weight: Tensor, rows: int = 256) -> Tensor:
 
 
 def store_transposed(module: nn.Module) -> nn.Module:
-    """Keep the weight of every ``nn.Linear`` inside ``module`` in [in, out] memory order, in
-    place, and return ``module``.
+    """Keep the weight of every widening ``nn.Linear`` inside ``module`` (as many outputs as
+    inputs, or more) in [in, out] memory order, in place, and return ``module``.
 
-    Each weight becomes a transposed copy seen through ``.t()``: still the [out, in] matrix
-    ``nn.Linear`` computes with (same values, names, shapes), stored the way GPT-2's checkpoint
-    stores it. A decoded token's product reads a matrix in that order faster: in [out, in] each
-    output is a dot product of one row, in [in, out] each input scales one contiguous row of
-    outputs, which this CPU streams faster (chapter 2 measures it).
+    Each such weight becomes a transposed copy seen through ``.t()``: still the [out, in]
+    matrix ``nn.Linear`` computes with (same values, names, shapes), stored as GPT-2's
+    checkpoint stores it. That changes how a decoded token's product reads it: in [out, in]
+    each output is a dot product of one row, in [in, out] each input scales one contiguous row
+    of outputs. On this CPU the second streams a widening matrix faster, while a narrowing one
+    (few long rows, GPT-2's MLP output) reads faster as dot products and is left as it is
+    (chapter 2 measures both).
     """
     for m in module.modules():
-        if isinstance(m, nn.Linear):
+        if isinstance(m, nn.Linear) and m.out_features >= m.in_features:
             weight = m.weight
             m.weight = nn.Parameter(transposed(weight.detach()).t(), weight.requires_grad)
     return module
