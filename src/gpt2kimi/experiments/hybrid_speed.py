@@ -136,10 +136,7 @@ def against_transformers(
     """Seconds to generate ``new_tokens`` greedy tokens with this library and with
     ``transformers`` (its PyTorch fallbacks) on the same weights, the fastest of ``rounds``
     interleaved rounds; the outputs are checked equal."""
-    torch.manual_seed(0)
-    model = KimiHybrid(config).eval()
-    hf = _transformers_hybrid(config)
-    hf.load_state_dict(to_hf_state_dict(model))
+    model, hf = _both_hybrids(config)
     prompt = _prompt(config, prompt_len)
 
     same, best = greedy_side_by_side(model, hf, prompt, new_tokens, rounds)
@@ -159,10 +156,7 @@ def prefill_and_step(
     "transformers": {...}, "same_tokens"}`` (whether the two decoded the same tokens): a
     generation of n tokens takes about ``prefill_s + (n − 1) · step_s``.
     """
-    torch.manual_seed(0)
-    model = KimiHybrid(config).eval()
-    hf = _transformers_hybrid(config)
-    hf.load_state_dict(to_hf_state_dict(model))
+    model, hf = _both_hybrids(config)
     prompt = _prompt(config, prompt_len)
     decoded: dict[str, list[int]] = {}  # each side's tokens, from its last timed steps
 
@@ -203,6 +197,16 @@ def prefill_and_step(
     result: dict = {name: {f"{part}_s": best[f"{name} {part}"] for part in parts}
                     for name in models}
     return result | {"same_tokens": decoded["ours"] == decoded["transformers"]}
+
+
+def _both_hybrids(config: HybridConfig) -> tuple[nn.Module, nn.Module]:
+    """The seeded hybrid of ``config`` and ``transformers``' model with the same weights, both
+    for inference."""
+    torch.manual_seed(0)
+    model = KimiHybrid(config).eval()
+    hf = _transformers_hybrid(config)
+    hf.load_state_dict(to_hf_state_dict(model))
+    return model, hf
 
 
 def _transformers_hybrid(config: HybridConfig) -> nn.Module:
