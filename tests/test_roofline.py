@@ -8,6 +8,7 @@ from gpt2kimi.accounting import MODELS
 from gpt2kimi.roofline import (
     attainable,
     copy_bandwidth,
+    copy_run,
     decode_step_cost,
     fastest_seconds,
     matmul_flops,
@@ -54,6 +55,12 @@ def test_measurements_return_positive_rates():
     assert fastest_seconds(lambda: None, repeats=2) >= 0
     assert copy_bandwidth(nbytes=2**20, repeats=2) > 0
     assert matmul_flops(n=64, repeats=2) > 0
+
+
+def test_copy_run_moves_twice_its_bytes_each_time_it_runs():
+    run, moved = copy_run(nbytes=2**20)
+    assert moved == 2 * 2**20  # read once, written once
+    assert run() > 0 and run() > 0  # a new timing at every call
 
 
 def test_time_steps_on_a_tiny_model():

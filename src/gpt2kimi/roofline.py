@@ -62,6 +62,21 @@ def copy_bandwidth(
     return 2 * src.nbytes / seconds
 
 
+def copy_run(nbytes: int = 2**28) -> tuple[Callable[[], float], int]:
+    """:func:`copy_bandwidth`'s copy on the CPU as a function that returns its seconds, and the
+    bytes it moves: ``moved / seconds`` is the bandwidth, measured whenever the caller runs it
+    (beside the runs it is compared with, say)."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+
+    def run() -> float:
+        start = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - start
+
+    return run, 2 * src.nbytes
+
+
 def matmul_flops(
     device: torch.device | str = "cpu", n: int | None = None, repeats: int = 5,
     dtype: torch.dtype = torch.float32,

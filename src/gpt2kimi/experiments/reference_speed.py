@@ -14,6 +14,8 @@ install.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,7 +24,7 @@ from gpt2kimi.attention import GPT2WithCache
 from gpt2kimi.backbone import LanguageModel
 from gpt2kimi.gpt2 import GPT2, GPT2Config
 from gpt2kimi.kv_cache import generate
-from gpt2kimi.roofline import copy_bandwidth, decode_step_cost
+from gpt2kimi.roofline import copy_run, decode_step_cost
 from gpt2kimi.timing import fastest_interleaved, timed
 from gpt2kimi.train import TrainConfig, configure_optimizer
 
@@ -56,6 +58,16 @@ def greedy_side_by_side(
     :func:`~gpt2kimi.kv_cache.generate` on ``ours`` and with ``transformers``' ``generate`` on
     ``hf`` (the same weights): whether the tokens are equal, and each one's seconds
     (``{"ours", "theirs"}``), the fastest of ``rounds`` interleaved rounds."""
+    same, runs = greedy_runs(ours, hf, prompt, new_tokens)
+    return same, fastest_interleaved(runs, rounds)
+
+
+def greedy_runs(
+    ours: torch.nn.Module, hf: torch.nn.Module, prompt: torch.Tensor, new_tokens: int
+) -> tuple[bool, dict[str, Callable[[], float]]]:
+    """:func:`greedy_side_by_side`'s two generations as runs for
+    :func:`~gpt2kimi.timing.fastest_interleaved` (``{"ours", "theirs"}``), and whether they
+    generate the same tokens, so that a caller can time other runs in the same rounds."""
 
     def run_ours() -> torch.Tensor:
         return generate(ours, prompt, new_tokens)
@@ -64,12 +76,11 @@ def greedy_side_by_side(
         return hf.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                            do_sample=False, eos_token_id=None, pad_token_id=0)
 
-    same = torch.equal(run_ours(), run_theirs())
-    return same, fastest_interleaved({"ours": timed(run_ours), "theirs": timed(run_theirs)},
-                                     rounds)
+    with torch.no_grad():
+        same = torch.equal(run_ours(), run_theirs())
+    return same, {"ours": timed(run_ours), "theirs": timed(run_theirs)}
 
 
-@torch.inference_mode()
 def decode_products_seconds(model: LanguageModel, rounds: int = 5) -> tuple[float, int]:
     """The matrix-vector products of one decode step of ``model`` at batch 1, and nothing else:
     every ``nn.Linear`` of its blocks applied to one token with ``F.linear``, as the step applies
@@ -79,18 +90,32 @@ def decode_products_seconds(model: LanguageModel, rounds: int = 5) -> tuple[floa
     Returns the fastest of ``rounds`` (seconds) and the bytes of the weights they read: a step
     that reads its weights with these operators on this machine cannot take less time.
     """
+    run, nbytes = decode_products_run(model)
+    return fastest_interleaved({"products": run}, rounds)["products"], nbytes
+
+
+def decode_products_run(model: LanguageModel) -> tuple[Callable[[], float], int]:
+    """:func:`decode_products_seconds` as a run for :func:`~gpt2kimi.timing.fastest_interleaved`
+    (it returns the seconds of one pass over the products), and the bytes one pass reads."""
     linears = [m for m in model.blocks.modules() if isinstance(m, nn.Linear)]
     inputs = {m.in_features: torch.randn(1, m.in_features) for m in linears}
     head = model.lm_head.weight.detach().t().contiguous()
     h = torch.randn(1, head.shape[0])
 
+    @torch.inference_mode()
     def run() -> None:
         for m in linears:
             F.linear(inputs[m.in_features], m.weight, m.bias)
         h @ head
 
-    seconds = fastest_interleaved({"products": timed(run)}, rounds)["products"]
-    return seconds, sum(m.weight.nbytes for m in linears) + head.nbytes
+    return timed(run), sum(m.weight.nbytes for m in linears) + head.nbytes
+
+
+def _fastest_of(run: Callable[[], float], times: int) -> Callable[[], float]:
+    """A run that calls ``run`` ``times`` times in a row and returns its fastest: a short
+    measurement repeated within one round of :func:`~gpt2kimi.timing.fastest_interleaved`,
+    beside a long one that runs once per round."""
+    return lambda: min(run() for _ in range(times))
 
 
 @torch.no_grad()
@@ -104,12 +129,14 @@ def gpt2_decode(
 
     Returns ``{"ours_s", "transformers_s", "same_tokens", "tokens_per_s", "roof_tokens_per_s",
     "roof_fraction", "bandwidth", "products_tokens_per_s", "products_fraction",
-    "products_bandwidth"}``: the roof is the decode roofline measured in the same run, a step
-    that only moves the weights and the cache it reads at the machine's copy bandwidth
-    (:func:`gpt2kimi.roofline.copy_bandwidth`); ``products`` is a step that only runs its
-    matrix-vector products (:func:`decode_products_seconds`), and ``products_bandwidth`` the
-    bytes per second they draw; ``tokens_per_s`` counts the decode steps after the prompt, each
-    step's time being the whole generation's over ``new_tokens``.
+    "products_bandwidth"}``: the roof is the decode roofline, a step that only moves the
+    weights and the cache it reads at the machine's copy bandwidth
+    (:func:`gpt2kimi.roofline.copy_run`); ``products`` is a step that only runs its
+    matrix-vector products (:func:`decode_products_run`), and ``products_bandwidth`` the bytes
+    per second they draw. The copy and the products are timed in the same interleaved rounds
+    as the two generations (each the fastest of 5 in a row, per round), so every ratio compares
+    timings taken in the same phase of the machine. ``tokens_per_s`` counts the decode steps
+    after the prompt, each step's time being the whole generation's over ``new_tokens``.
     """
     config = GPT2Config() if config is None else config
     hf = _hf_gpt2(config).eval()
@@ -117,14 +144,20 @@ def gpt2_decode(
     prompt = torch.randint(0, config.vocab_size, (1, prompt_len),
                            generator=torch.Generator().manual_seed(1))
 
-    same, best = greedy_side_by_side(ours, hf, prompt, new_tokens, rounds)
+    # the two generations, the products alone and a copy of memory, all in the same rounds:
+    # every ratio below is between timings of one phase of the machine
+    same, runs = greedy_runs(ours, hf, prompt, new_tokens)
+    products, products_bytes = decode_products_run(ours)
+    copy, copy_bytes = copy_run()
+    best = fastest_interleaved(
+        runs | {"products": _fastest_of(products, 5), "copy": _fastest_of(copy, 5)}, rounds)
     # the bytes of the average step: the weights and the cache it reads, cached tokens on
     # average over the steps (the count chapter 2's roofline uses)
     n_params = sum(p.numel() for p in ours.parameters())
     step_bytes = decode_step_cost(n_params, config.n_layer, config.n_embd, config.n_embd,
                                   context=round(prompt_len + (new_tokens - 1) / 2)).bytes
-    bandwidth = copy_bandwidth()
-    products_s, products_bytes = decode_products_seconds(ours, rounds)
+    bandwidth = copy_bytes / best["copy"]
+    products_s = best["products"]
     rate = new_tokens / best["ours"]
     return {"ours_s": best["ours"], "transformers_s": best["theirs"], "same_tokens": same,
             "tokens_per_s": rate, "roof_tokens_per_s": bandwidth / step_bytes,
