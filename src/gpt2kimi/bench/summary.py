@@ -16,8 +16,9 @@ Rows (each measured side by side in interleaved rounds, on the same weights):
   (:func:`~gpt2kimi.experiments.hybrid_speed.prefill_and_step`), and the two decode steps'
   operator calls (at batch 1 a step's time follows their number);
 - GPT-2 small's cached greedy decode against ``transformers``' ``generate``, and its tokens
-  per second against the decode roofline measured in the same run and against its own
-  matrix-vector products run alone (which on a CPU draw less than a copy's bandwidth),
+  per second against the decode roofline and against its own matrix-vector products run alone
+  (which on a CPU draw less than a copy's bandwidth), the copy that measures the bandwidth and
+  the products timed in the same rounds as the two generations,
   :func:`gpt2kimi.experiments.reference_speed.gpt2_decode`;
 - the hybrid's decode against the same model with MLA in every layer (batch 8, caches filled
   to 1K and 16K tokens), :func:`gpt2kimi.experiments.hybrid_speed.decode_sweep`;
