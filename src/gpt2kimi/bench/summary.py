@@ -21,7 +21,10 @@ Rows (each measured side by side in interleaved rounds, on the same weights):
   the products timed in the same rounds as the two generations,
   :func:`gpt2kimi.experiments.reference_speed.gpt2_decode`;
 - the hybrid's decode against the same model with MLA in every layer (batch 8, caches filled
-  to 1K and 16K tokens), :func:`gpt2kimi.experiments.hybrid_speed.decode_sweep`;
+  to 1K and 16K tokens), :func:`gpt2kimi.experiments.hybrid_speed.decode_sweep`, each beside
+  the ratio of the bytes the two models' steps read
+  (:func:`gpt2kimi.experiments.synthesis.step_bytes`): the lead a step that only read its
+  weights, cache and state would have;
 - a training step of a 4-layer, 128-wide byte GPT-2 (batch 32, 256 tokens) against
   ``transformers``' GPT-2, :func:`gpt2kimi.experiments.reference_speed.gpt2_train_step`.
 
@@ -39,6 +42,7 @@ import torch
 from gpt2kimi.experiments.hybrid_speed import (
     BENCH_CONFIG,
     against_transformers,
+    build_models,
     decode_sweep,
     prefill_and_step,
     step_operations,
@@ -46,6 +50,7 @@ from gpt2kimi.experiments.hybrid_speed import (
 )
 from gpt2kimi.experiments.moe_speed import moe_speed
 from gpt2kimi.experiments.reference_speed import gpt2_decode, gpt2_train_step
+from gpt2kimi.experiments.synthesis import step_bytes
 from gpt2kimi.kimi_linear import KimiHybrid
 
 
@@ -124,10 +129,16 @@ def rows(rounds: int = 3, quick: bool = False) -> list[Row]:
     contexts = [256, 1024] if quick else [1024, 16384]
     sweep = decode_sweep(contexts, batch=8, repeats=rounds)
     rates = sweep["tokens_per_s"]
+    models = build_models()
     for i, (context, target) in enumerate(zip(contexts, (1.0, 3.0), strict=True)):
         out.append(Row(f"hybrid decode vs all-MLA, batch 8, {context} cached tokens",
                        f"{rates['hybrid'][i]:.0f} tok/s", f"{rates['all-MLA'][i]:.0f} tok/s",
                        sweep["hybrid_vs_mla"][i], target))
+        # the most the bytes allow: a step that did nothing but read its weights and caches
+        read = {name: step_bytes(models[name], context, batch=8) for name in ("hybrid", "all-MLA")}
+        out.append(Row("  bytes one step reads: all-MLA over the hybrid",
+                       f"{read['hybrid'] / 1e6:.1f} MB", f"{read['all-MLA'] / 1e6:.1f} MB",
+                       read["all-MLA"] / read["hybrid"], None))
     step = gpt2_train_step(batch_size=4 if quick else 32, rounds=rounds)
     if step["loss_diff"] > 1e-4:
         raise RuntimeError(f"the two GPT-2s' losses differ by {step['loss_diff']:.1e}")
