@@ -80,3 +80,18 @@ def test_prefill_and_step_time_the_same_decoding_on_both_sides():
     assert result["same_tokens"]
     for side in ("ours", "transformers"):
         assert result[side]["prefill_s"] > 0 and result[side]["step_s"] > 0
+
+
+def test_summary_measures_every_row_and_indents_the_rows_without_targets():
+    import math
+
+    from gpt2kimi.bench.summary import rows
+
+    table = rows(rounds=1, quick=True)  # small sizes: the plumbing, not the figures
+    names = [r.name for r in table]
+    assert len(names) == len(set(names)) + 1  # only the bytes row repeats, once per context
+    assert all(r.ratio > 0 and math.isfinite(r.ratio) for r in table)
+    assert not table[0].name.startswith("  ")  # an indented row explains the one above it
+    assert all(r.name.startswith("  ") for r in table if r.target is None)
+    bytes_rows = [r for r in table if r.name.startswith("  bytes one step reads")]
+    assert len(bytes_rows) == 2 and bytes_rows[0].ratio < bytes_rows[1].ratio  # longer: more
