@@ -51,27 +51,33 @@ def fastest_seconds(
 def copy_bandwidth(
     device: torch.device | str = "cpu", nbytes: int = 2**28, repeats: int = 5
 ) -> float:
-    """Memory bandwidth in bytes/s: a copy of an ``nbytes`` fp32 tensor, which reads each byte
-    once and writes it once (so ``2 · nbytes`` move), fastest of ``repeats`` copies.
+    """Memory bandwidth in bytes/s: a copy of an ``nbytes`` fp32 tensor (:func:`copy_run`),
+    which reads each byte once and writes it once (so ``2 · nbytes`` move), fastest of
+    ``repeats`` copies after one warm-up copy.
 
     The tensor must be much larger than the processor's caches (the default, 256 MiB, is).
     """
+    run, moved = copy_run(nbytes, device)
+    run()
+    return moved / min(run() for _ in range(repeats))
+
+
+def copy_run(
+    nbytes: int = 2**28, device: torch.device | str = "cpu"
+) -> tuple[Callable[[], float], int]:
+    """A copy of an ``nbytes`` fp32 tensor as a function that returns its seconds (waiting for
+    the device before each reading of the clock), and the bytes it moves: ``moved / seconds``
+    is the bandwidth, measured whenever the caller runs it (beside the runs it is compared
+    with, say)."""
+    device = torch.device(device)
     src = torch.ones(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    seconds = fastest_seconds(lambda: dst.copy_(src), device, repeats)
-    return 2 * src.nbytes / seconds
-
-
-def copy_run(nbytes: int = 2**28) -> tuple[Callable[[], float], int]:
-    """:func:`copy_bandwidth`'s copy on the CPU as a function that returns its seconds, and the
-    bytes it moves: ``moved / seconds`` is the bandwidth, measured whenever the caller runs it
-    (beside the runs it is compared with, say)."""
-    src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
 
     def run() -> float:
+        _synchronize(device)
         start = time.perf_counter()
         dst.copy_(src)
+        _synchronize(device)
         return time.perf_counter() - start
 
     return run, 2 * src.nbytes

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpt2kimi.attention import GPT2WithCache
-from gpt2kimi.backbone import LanguageModel
+from gpt2kimi.backbone import LanguageModel, transposed
 from gpt2kimi.gpt2 import GPT2, GPT2Config
 from gpt2kimi.kv_cache import generate
 from gpt2kimi.roofline import copy_run, decode_step_cost
@@ -99,7 +99,7 @@ def decode_products_run(model: LanguageModel) -> tuple[Callable[[], float], int]
     (it returns the seconds of one pass over the products), and the bytes one pass reads."""
     linears = [m for m in model.blocks.modules() if isinstance(m, nn.Linear)]
     inputs = {m.in_features: torch.randn(1, m.in_features) for m in linears}
-    head = model.lm_head.weight.detach().t().contiguous()
+    head = transposed(model.lm_head.weight.detach())  # as the cache keeps it
     h = torch.randn(1, head.shape[0])
 
     @torch.inference_mode()
