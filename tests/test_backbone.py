@@ -369,3 +369,30 @@ def test_store_transposed_keeps_the_layers_values_names_and_training():
         torch.testing.assert_close(model(x[:, :1]), step_before, atol=1e-6, rtol=1e-5)
     model(x, x)[1].backward()
     assert all(w.grad is not None and w.grad.shape == w.shape for w in weights)
+
+
+def test_store_transposed_keeps_a_tied_weight_tied():
+    """The head tied to the embedding becomes one [d, vocab] copy that both modules hold: a
+    prompt looks up its rows (strided), a decoded token reads it in place, with the same
+    logits, and a backward pass reaches the shared matrix."""
+    from gpt2kimi.backbone import store_transposed
+
+    torch.manual_seed(0)
+    model = LanguageModel(CFG, SoftmaxAttention).eval()
+    assert model.lm_head.weight is model.embed.weight
+    x = ids()
+    with torch.no_grad():
+        before = model(x)
+    store_transposed(model)
+    assert model.lm_head.weight is model.embed.weight  # still one parameter
+    assert model.lm_head.weight.t().is_contiguous()
+    cache = model.new_cache(batch_size=x.shape[0], max_len=x.shape[1])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before, atol=1e-6, rtol=1e-5)
+        prompt = model(x[:, :-1], cache=cache)
+        step = model(x[:, -1:], cache=cache)
+    assert cache.head is None  # read where it is stored
+    torch.testing.assert_close(torch.cat([prompt, step], dim=1), before, atol=1e-5, rtol=1e-5)
+    model.train()
+    model(x, x)[1].backward()
+    assert model.embed.weight.grad is not None

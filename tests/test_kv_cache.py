@@ -197,9 +197,9 @@ def test_converting_shares_or_copies_the_weights():
 
 
 def test_the_blocks_store_their_widening_matrices_in_input_major_order():
-    """GPT2WithCache keeps c_attn, attention's c_proj and c_fc [in, out] in memory (seen as
-    [out, in]) and the MLP's narrowing c_proj as it is, built or converted with copy=True;
-    copy=False keeps the original's tensors as they are."""
+    """GPT2WithCache keeps c_attn, attention's c_proj, c_fc and the tied head [in, out] in
+    memory (seen as [out, in]) and the MLP's narrowing c_proj as it is, built or converted
+    with copy=True; copy=False keeps the original's tensors as they are."""
     gpt2 = tiny_model(cls=GPT2)
     c_fc = gpt2.transformer.h[0].mlp.c_fc.weight
     for model in (tiny_model(), GPT2WithCache.from_gpt2(gpt2)):
@@ -207,6 +207,8 @@ def test_the_blocks_store_their_widening_matrices_in_input_major_order():
             for m in (block.mixer.c_attn, block.mixer.c_proj, block.ffn.c_fc):
                 assert m.weight.t().is_contiguous() and not m.weight.is_contiguous()
             assert block.ffn.c_proj.weight.is_contiguous()  # 4·d → d: rows of dot products
+        assert model.lm_head.weight is model.embed.weight  # still tied
+        assert model.lm_head.weight.t().is_contiguous()  # [d, vocab]
     copied = GPT2WithCache.from_gpt2(gpt2).blocks[0].ffn.c_fc.weight
     assert torch.equal(copied, c_fc) and copied.shape == c_fc.shape and copied.requires_grad
     shared = GPT2WithCache.from_gpt2(gpt2, copy=False).blocks[0].ffn.c_fc.weight
@@ -237,3 +239,23 @@ def test_generate_runs_in_inference_mode_and_returns_a_normal_tensor():
     model.train()
     _, loss = model(out[:, :-1], out[:, 1:])
     loss.backward()
+
+
+def test_a_head_stored_d_by_vocab_is_read_in_place_with_the_same_logits():
+    """GPT2WithCache's decoded tokens read the head where it is stored ([d, vocab]): the cache
+    makes no copy of it, and the logits equal those of the full forward pass and of chapter
+    1's GPT-2; a model converted with copy=True shares no tensor with the original."""
+    gpt2 = tiny_model(cls=GPT2).eval()
+    model = GPT2WithCache.from_gpt2(gpt2).eval()
+    originals = {p.untyped_storage().data_ptr() for p in gpt2.parameters()}
+    assert not originals & {p.untyped_storage().data_ptr() for p in model.parameters()}
+    x = prompt(2, 6)
+    cache = model.new_cache(batch_size=2)
+    with torch.no_grad():
+        model(x[:, :5], cache=cache)
+        step = model(x[:, 5:6], cache=cache)
+        full = model(x)
+        theirs = gpt2(x)
+    assert cache.head is None  # nothing copied
+    torch.testing.assert_close(step, full[:, 5:6], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(full, theirs, atol=1e-5, rtol=1e-5)

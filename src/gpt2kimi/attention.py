@@ -202,7 +202,8 @@ class GPT2WithCache(LanguageModel):
         mixer = functools.partial(SoftmaxAttention, n_kv_heads=n_kv_heads, dropout=config.dropout)
         mlp_config = replace(config, dropout=0.0)  # the block drops the MLP's output itself
         super().__init__(backbone, mixer, lambda d_model: MLP(mlp_config))
-        store_transposed(self.blocks)  # widening matrices [in, out] in memory
+        # widening matrices [in, out] in memory, the head (tied to the embedding) [d, vocab]
+        store_transposed(self)
 
     @classmethod
     def from_gpt2(cls, model: GPT2, *, copy: bool = True) -> GPT2WithCache:
@@ -210,18 +211,24 @@ class GPT2WithCache(LanguageModel):
         names (:data:`GPT2_TO_BACKBONE`).
 
         ``copy=True`` gives the new model its own copy of the weights (the original is left
-        untouched whatever happens to the copy), the blocks' widening matrices stored [in, out]
-        as in ``__init__``; ``copy=False`` shares the very same tensors, which costs nothing, in
-        the original's memory order. Either way the model is built on the meta device, so no
-        time goes into initialising weights that are then replaced.
+        untouched whatever happens to the copy), the widening matrices and the tied head stored
+        [in, out] as in ``__init__``; ``copy=False`` shares the very same tensors, which costs
+        nothing, in the original's memory order. Either way the model is built on the meta
+        device, so no time goes into initialising weights that are then replaced.
         """
         with torch.device("meta"):
             new = cls(model.config)
         state = {backbone_name(k): v for k, v in model.state_dict().items()}
-        if copy:
-            state = {name: tensor.clone() for name, tensor in state.items()}
-        new.load_state_dict(state, assign=True)
-        if copy:
-            store_transposed(new.blocks)
+        new.load_state_dict(state, assign=True)  # the original's very tensors
         new.lm_head.weight = new.embed.weight  # tie again: assign set two tensors
+        if copy:
+            store_transposed(new)  # copies, [in, out]: the widening matrices and the head
+            shared = {t.untyped_storage().data_ptr() for t in state.values()}
+            for m in new.modules():  # and a copy of each tensor that is still the original's
+                for name, p in m._parameters.items():
+                    if p is not None and p.untyped_storage().data_ptr() in shared:
+                        m._parameters[name] = nn.Parameter(p.detach().clone(), p.requires_grad)
+                for name, b in m._buffers.items():
+                    if b is not None and b.untyped_storage().data_ptr() in shared:
+                        m._buffers[name] = b.clone()
         return new.train(model.training)

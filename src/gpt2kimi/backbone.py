@@ -375,8 +375,8 @@ class ModelCache:
 
     layers: list[BlockState]
     pos: int = 0
-    # the output head's weight as [d, vocab], made at the first decoded token
-    # (:meth:`LanguageModel.decode_logits`)
+    # the output head's weight as [d, vocab], made at the first decoded token where the model
+    # stores it as [vocab, d] (:meth:`LanguageModel.decode_logits`)
     head: Tensor | None = None
 
     @property
@@ -591,17 +591,22 @@ class LanguageModel(nn.Module):
 
     def decode_logits(self, h: Tensor, cache: ModelCache) -> Tensor:
         """The logits of one decoded token, h [B, 1, d] → [B, 1, vocab]: ``lm_head``'s product,
-        its weight read from a [d, vocab] copy that ``cache`` keeps (made at the first decoded
-        token, for as long as the cache lives).
+        its weight read in [d, vocab] memory order: in place where the model stores it so
+        (:func:`store_transposed`, as chapter 2's GPT-2 does), otherwise from a copy that
+        ``cache`` keeps (made at the first decoded token, for as long as the cache lives).
 
         A matrix-vector product reads a wide matrix faster in that layout than in
         ``nn.Linear``'s [vocab, d], and at batch 1 the head is one long read (a third of GPT-2
-        small's weights); the copy costs the head's bytes once more while decoding.
+        small's weights); a copy costs the head's bytes once more while decoding.
         """
-        weight, head = self.lm_head.weight, cache.head
-        if head is None or (head.dtype, head.device) != (weight.dtype, weight.device):
-            cache.head = transposed(weight.detach())
-        logits = h @ cache.head
+        weight = self.lm_head.weight
+        if weight.t().is_contiguous():  # stored [d, vocab]: no copy
+            head = weight.t()
+        else:
+            head = cache.head
+            if head is None or (head.dtype, head.device) != (weight.dtype, weight.device):
+                head = cache.head = transposed(weight.detach())
+        logits = h @ head
         return logits if self.lm_head.bias is None else logits + self.lm_head.bias
 
 
@@ -662,12 +667,20 @@ def store_transposed(module: nn.Module) -> nn.Module:
     each output is a dot product of one row, in [in, out] each input scales one contiguous row
     of outputs. On this CPU the second streams a widening matrix faster, while a narrowing one
     (few long rows, GPT-2's MLP output) reads faster as dot products and is left as it is
-    (chapter 2 measures both).
+    (chapter 2 measures both). A weight that other modules share stays shared: each of them
+    gets the copy (a head tied to the embedding, whose lookups then read strided rows).
     """
+    copies: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(weight): (weight, its copy)
     for m in module.modules():
         if isinstance(m, nn.Linear) and m.out_features >= m.in_features:
             weight = m.weight
-            m.weight = nn.Parameter(transposed(weight.detach()).t(), weight.requires_grad)
+            if id(weight) not in copies:
+                copy = nn.Parameter(transposed(weight.detach()).t(), weight.requires_grad)
+                copies[id(weight)] = (weight, copy)
+    for m in module.modules():  # every holder of a copied weight, tied ones included
+        for name, p in m._parameters.items():
+            if p is not None and id(p) in copies:
+                m._parameters[name] = copies[id(p)][1]
     return module
 
 

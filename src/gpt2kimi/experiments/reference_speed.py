@@ -84,7 +84,7 @@ def greedy_runs(
 def decode_products_seconds(model: LanguageModel, rounds: int = 5) -> tuple[float, int]:
     """The matrix-vector products of one decode step of ``model`` at batch 1, and nothing else:
     every ``nn.Linear`` of its blocks applied to one token with ``F.linear``, as the step applies
-    it, and the output head read from its [d, vocab] copy, as
+    it, and the output head read in [d, vocab] order, as
     :meth:`~gpt2kimi.backbone.LanguageModel.decode_logits` reads it.
 
     Returns the fastest of ``rounds`` (seconds) and the bytes of the weights they read: a step
@@ -99,7 +99,8 @@ def decode_products_run(model: LanguageModel) -> tuple[Callable[[], float], int]
     (it returns the seconds of one pass over the products), and the bytes one pass reads."""
     linears = [m for m in model.blocks.modules() if isinstance(m, nn.Linear)]
     inputs = {m.in_features: torch.randn(1, m.in_features) for m in linears}
-    head = transposed(model.lm_head.weight.detach())  # as the cache keeps it
+    weight = model.lm_head.weight.detach()  # read [d, vocab], as decode_logits reads it
+    head = weight.t() if weight.t().is_contiguous() else transposed(weight)
     h = torch.randn(1, head.shape[0])
 
     @torch.inference_mode()
