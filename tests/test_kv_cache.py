@@ -243,8 +243,9 @@ def test_generate_runs_in_inference_mode_and_returns_a_normal_tensor():
 
 def test_a_head_stored_d_by_vocab_is_read_in_place_with_the_same_logits():
     """GPT2WithCache's decoded tokens read the head where it is stored ([d, vocab]): the cache
-    makes no copy of it, and the logits equal those of the full forward pass and of chapter
-    1's GPT-2; a model converted with copy=True shares no tensor with the original."""
+    holds the stored matrix, not a copy, and the logits equal those of the full forward pass
+    and of chapter 1's GPT-2; a model converted with copy=True shares no tensor with the
+    original."""
     gpt2 = tiny_model(cls=GPT2).eval()
     model = GPT2WithCache.from_gpt2(gpt2).eval()
     originals = {p.untyped_storage().data_ptr() for p in gpt2.parameters()}
@@ -256,6 +257,6 @@ def test_a_head_stored_d_by_vocab_is_read_in_place_with_the_same_logits():
         step = model(x[:, 5:6], cache=cache)
         full = model(x)
         theirs = gpt2(x)
-    assert cache.head is None  # nothing copied
+    assert cache.head.data_ptr() == model.lm_head.weight.data_ptr()  # nothing copied
     torch.testing.assert_close(step, full[:, 5:6], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(full, theirs, atol=1e-5, rtol=1e-5)

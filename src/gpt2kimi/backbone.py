@@ -375,8 +375,8 @@ class ModelCache:
 
     layers: list[BlockState]
     pos: int = 0
-    # the output head's weight as [d, vocab], made at the first decoded token where the model
-    # stores it as [vocab, d] (:meth:`LanguageModel.decode_logits`)
+    # the output head's weight as [d, vocab] (a view where the model stores it so, else a
+    # copy), set at the first decoded token (:meth:`LanguageModel.decode_logits`)
     head: Tensor | None = None
 
     @property
@@ -591,21 +591,19 @@ class LanguageModel(nn.Module):
 
     def decode_logits(self, h: Tensor, cache: ModelCache) -> Tensor:
         """The logits of one decoded token, h [B, 1, d] → [B, 1, vocab]: ``lm_head``'s product,
-        its weight read in [d, vocab] memory order: in place where the model stores it so
-        (:func:`store_transposed`, as chapter 2's GPT-2 does), otherwise from a copy that
-        ``cache`` keeps (made at the first decoded token, for as long as the cache lives).
+        its weight read in [d, vocab] memory order from ``cache.head`` (set at the first decoded
+        token, for as long as the cache lives): the stored matrix itself where the model keeps
+        it in that order (:func:`store_transposed`, as chapter 2's GPT-2 does), otherwise a
+        transposed copy.
 
         A matrix-vector product reads a wide matrix faster in that layout than in
         ``nn.Linear``'s [vocab, d], and at batch 1 the head is one long read (a third of GPT-2
         small's weights); a copy costs the head's bytes once more while decoding.
         """
-        weight = self.lm_head.weight
-        if weight.t().is_contiguous():  # stored [d, vocab]: no copy
-            head = weight.t()
-        else:
-            head = cache.head
-            if head is None or (head.dtype, head.device) != (weight.dtype, weight.device):
-                head = cache.head = transposed(weight.detach())
+        weight, head = self.lm_head.weight, cache.head
+        if head is None or (head.dtype, head.device) != (weight.dtype, weight.device):
+            stored = weight.detach().t()
+            head = cache.head = stored if stored.is_contiguous() else transposed(weight.detach())
         logits = h @ head
         return logits if self.lm_head.bias is None else logits + self.lm_head.bias
 
