@@ -18,6 +18,7 @@ def test_gpt2_decode_same_tokens_as_transformers():
     assert result["same_tokens"]
     assert 0 < result["roof_tokens_per_s"] and result["roof_fraction"] > 0
     assert result["products_tokens_per_s"] > 0 and result["products_bandwidth"] > 0
+    assert result["bf16_s"] > 0 and 0 <= result["bf16_agree"] <= 6
 
 
 def test_decode_products_read_every_block_matrix_and_the_head_once():

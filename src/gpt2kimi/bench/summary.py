@@ -19,7 +19,8 @@ Rows (each measured side by side in interleaved rounds, on the same weights):
   per second against the decode roofline and against its own matrix-vector products run alone
   (which on a CPU draw less than a copy's bandwidth), the copy that measures the bandwidth and
   the products timed in the same rounds as the two generations,
-  :func:`gpt2kimi.experiments.reference_speed.gpt2_decode`;
+  :func:`gpt2kimi.experiments.reference_speed.gpt2_decode`, and beside it, apart from the
+  fp32 rows, the same decode with bf16 weights (a precision lever: half the bytes);
 - the hybrid's decode against the same model with MLA in every layer (batch 8, caches filled
   to 1K and 16K tokens), :func:`gpt2kimi.experiments.hybrid_speed.decode_sweep`, each beside
   the ratio of the bytes the two models' steps read
@@ -114,6 +115,10 @@ def rows(rounds: int = 3, quick: bool = False) -> list[Row]:
     out.append(Row("GPT-2 small cached greedy decode vs transformers generate",
                    f"{dec['ours_s'] * 1e3:.0f} ms", f"{dec['transformers_s'] * 1e3:.0f} ms",
                    dec["transformers_s"] / dec["ours_s"], 1.1))
+    # precision, labelled apart: the rows above and below compare fp32 with fp32
+    out.append(Row(f"  with bf16 weights ({dec['bf16_agree']} of {dec['new_tokens']} tokens "
+                   "as fp32's): fp32 over bf16", f"{dec['bf16_s'] * 1e3:.0f} ms",
+                   f"{dec['ours_s'] * 1e3:.0f} ms", dec["ours_s"] / dec["bf16_s"], None))
     out.append(Row("GPT-2 small decode vs its roofline (weights + cache at copy bandwidth)",
                    f"{dec['tokens_per_s']:.1f} tok/s", f"{dec['roof_tokens_per_s']:.1f} tok/s",
                    dec["roof_fraction"], 0.85))

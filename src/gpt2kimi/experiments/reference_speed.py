@@ -130,18 +130,22 @@ def gpt2_decode(
 
     Returns ``{"ours_s", "transformers_s", "same_tokens", "tokens_per_s", "roof_tokens_per_s",
     "roof_fraction", "bandwidth", "products_tokens_per_s", "products_fraction",
-    "products_bandwidth"}``: the roof is the decode roofline, a step that only moves the
-    weights and the cache it reads at the machine's copy bandwidth
+    "products_bandwidth", "bf16_s", "bf16_agree"}``: the roof is the decode roofline, a step
+    that only moves the weights and the cache it reads at the machine's copy bandwidth
     (:func:`gpt2kimi.roofline.copy_run`); ``products`` is a step that only runs its
     matrix-vector products (:func:`decode_products_run`), and ``products_bandwidth`` the bytes
     per second they draw. The copy and the products are timed in the same interleaved rounds
     as the two generations (each the fastest of 5 in a row, per round), so every ratio compares
     timings taken in the same phase of the machine. ``tokens_per_s`` counts the decode steps
     after the prompt, each step's time being the whole generation's over ``new_tokens``.
+    ``bf16_s`` times the same generation with bf16 weights in the same rounds (a precision
+    lever, apart from the fp32 comparison), and ``bf16_agree`` counts its greedy tokens that
+    equal fp32's before the first that differs.
     """
     config = GPT2Config() if config is None else config
     hf = _hf_gpt2(config).eval()
-    ours = GPT2WithCache.from_gpt2(GPT2.from_hf_state_dict(hf.state_dict(), config)).eval()
+    gpt2 = GPT2.from_hf_state_dict(hf.state_dict(), config)
+    ours = GPT2WithCache.from_gpt2(gpt2).eval()
     prompt = torch.randint(0, config.vocab_size, (1, prompt_len),
                            generator=torch.Generator().manual_seed(1))
 
@@ -150,8 +154,16 @@ def gpt2_decode(
     same, runs = greedy_runs(ours, hf, prompt, new_tokens)
     products, products_bytes = decode_products_run(ours)
     copy, copy_bytes = copy_run()
+    # a precision lever, reported apart from the fp32 rows: the same decode with bf16 weights
+    # (half the bytes), and how many of its greedy tokens, from the first, are fp32's
+    half = GPT2WithCache.from_gpt2(gpt2).to(torch.bfloat16).eval()
+    fp32_tokens, bf16_tokens = (generate(m, prompt, new_tokens)[0, prompt_len:]
+                                for m in (ours, half))
+    differ = (fp32_tokens != bf16_tokens).nonzero()
+    bf16_agree = int(differ[0, 0]) if len(differ) else new_tokens
     best = fastest_interleaved(
-        runs | {"products": _fastest_of(products, 5), "copy": _fastest_of(copy, 5)}, rounds)
+        runs | {"products": _fastest_of(products, 5), "copy": _fastest_of(copy, 5),
+                "bf16": timed(lambda: generate(half, prompt, new_tokens))}, rounds)
     # the bytes of the average step: the weights and the cache it reads, cached tokens on
     # average over the steps (the count chapter 2's roofline uses)
     n_params = sum(p.numel() for p in ours.parameters())
@@ -164,8 +176,8 @@ def gpt2_decode(
             "tokens_per_s": rate, "roof_tokens_per_s": bandwidth / step_bytes,
             "roof_fraction": rate * step_bytes / bandwidth, "bandwidth": bandwidth,
             "products_tokens_per_s": 1 / products_s, "products_fraction": rate * products_s,
-            "products_bandwidth": products_bytes / products_s, "prompt_len": prompt_len,
-            "new_tokens": new_tokens}
+            "products_bandwidth": products_bytes / products_s, "bf16_s": best["bf16"],
+            "bf16_agree": bf16_agree, "prompt_len": prompt_len, "new_tokens": new_tokens}
 
 
 def gpt2_train_step(
