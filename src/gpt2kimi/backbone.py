@@ -668,7 +668,9 @@ def store_transposed(module: nn.Module) -> nn.Module:
     (chapter 2 measures both). A weight that other modules share stays shared: each of them
     gets the copy (a head tied to the embedding, whose lookups then read strided rows).
     """
-    copies: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(weight): (weight, its copy)
+    # id(weight): (weight, its copy); the weight is kept so that its id cannot be reused by a
+    # new object before the second loop has replaced it everywhere
+    copies: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
     for m in module.modules():
         if isinstance(m, nn.Linear) and m.out_features >= m.in_features:
             weight = m.weight
