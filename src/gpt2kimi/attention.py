@@ -225,10 +225,7 @@ class GPT2WithCache(LanguageModel):
             store_transposed(new)  # copies, [in, out]: the widening matrices and the head
             shared = {t.untyped_storage().data_ptr() for t in state.values()}
             for m in new.modules():  # and a copy of each tensor that is still the original's
-                for name, p in m._parameters.items():
+                for name, p in m._parameters.items():  # (parameters only: the model has no buffers)
                     if p is not None and p.untyped_storage().data_ptr() in shared:
                         m._parameters[name] = nn.Parameter(p.detach().clone(), p.requires_grad)
-                for name, b in m._buffers.items():
-                    if b is not None and b.untyped_storage().data_ptr() in shared:
-                        m._buffers[name] = b.clone()
         return new.train(model.training)

@@ -602,8 +602,7 @@ class LanguageModel(nn.Module):
         """
         weight, head = self.lm_head.weight, cache.head
         if head is None or (head.dtype, head.device) != (weight.dtype, weight.device):
-            stored = weight.detach().t()
-            head = cache.head = stored if stored.is_contiguous() else transposed(weight.detach())
+            head = cache.head = d_by_vocab(weight)
         logits = h @ head
         return logits if self.lm_head.bias is None else logits + self.lm_head.bias
 
@@ -653,6 +652,14 @@ def transposed(weight: Tensor, rows: int = 256) -> Tensor:
     for start in range(0, weight.shape[0], rows):
         out[:, start : start + rows] = weight[start : start + rows].t()
     return out
+
+
+def d_by_vocab(weight: Tensor) -> Tensor:
+    """An output head's ``weight`` [vocab, d] as the [d, vocab] matrix a decoded token's
+    product reads: the stored matrix itself where it is kept in that memory order
+    (:func:`store_transposed`), otherwise a :func:`transposed` copy."""
+    stored = weight.detach().t()
+    return stored if stored.is_contiguous() else transposed(weight.detach())
 
 
 def store_transposed(module: nn.Module) -> nn.Module:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpt2kimi.attention import GPT2WithCache
-from gpt2kimi.backbone import LanguageModel, transposed
+from gpt2kimi.backbone import LanguageModel, d_by_vocab
 from gpt2kimi.gpt2 import GPT2, GPT2Config
 from gpt2kimi.kv_cache import generate
 from gpt2kimi.roofline import copy_run, decode_step_cost
@@ -99,8 +99,7 @@ def decode_products_run(model: LanguageModel) -> tuple[Callable[[], float], int]
     (it returns the seconds of one pass over the products), and the bytes one pass reads."""
     linears = [m for m in model.blocks.modules() if isinstance(m, nn.Linear)]
     inputs = {m.in_features: torch.randn(1, m.in_features) for m in linears}
-    weight = model.lm_head.weight.detach()  # read [d, vocab], as decode_logits reads it
-    head = weight.t() if weight.t().is_contiguous() else transposed(weight)
+    head = d_by_vocab(model.lm_head.weight)  # read [d, vocab], as decode_logits reads it
     h = torch.randn(1, head.shape[0])
 
     @torch.inference_mode()
