@@ -63,8 +63,39 @@ def test_step_operations_counts_every_call_of_one_decode_step():
     calls = step_operations(gpt, context=4)
     assert calls == step_operations(gpt, context=8) > 10  # a count, the same at any context
     assert dispatch_floor(10, rounds=1) > 0
-    n, step_s, floor_s = step_against_floor(gpt, context=4, steps=2, rounds=1)
-    assert n == calls and step_s > 0 and floor_s > 0
+    timing = step_against_floor(gpt, context=4, steps=2, rounds=1)
+    assert timing["calls"] == calls and timing["step_s"] > 0 and timing["no_op_s"] > 0
+    assert "narrow_s" not in timing
+
+
+def test_a_model_at_width_8_makes_the_same_calls_with_a_fraction_of_the_weights():
+    import torch
+
+    from gpt2kimi.backbone import count_parameters
+    from gpt2kimi.experiments.hybrid_speed import (
+        BENCH_CONFIG,
+        at_width,
+        generation_operations,
+        step_against_floor,
+        step_operations,
+    )
+    from gpt2kimi.kimi_linear import KimiHybrid
+
+    narrow_config = at_width(BENCH_CONFIG, 8)
+    assert narrow_config.mixers == BENCH_CONFIG.mixers and narrow_config.ffns == BENCH_CONFIG.ffns
+    assert narrow_config.kda.n_head == BENCH_CONFIG.kda.n_head
+    assert narrow_config.moe.n_experts == BENCH_CONFIG.moe.n_experts
+    torch.manual_seed(0)
+    model, narrow = KimiHybrid(BENCH_CONFIG).eval(), KimiHybrid(narrow_config).eval()
+    assert count_parameters(narrow) < count_parameters(model) / 10  # the arithmetic is gone
+    assert step_operations(narrow, context=16) == step_operations(model, context=16)
+    prompt = torch.randint(3, BENCH_CONFIG.vocab_size, (1, 70),  # two chunks of the chunk form
+                           generator=torch.Generator().manual_seed(1))
+    assert generation_operations(narrow, prompt, 3) == generation_operations(model, prompt, 3)
+    timing = step_against_floor(model, context=8, narrow=narrow, steps=2, rounds=1)
+    assert timing["narrow_calls"] == timing["calls"] and timing["narrow_s"] > 0
+    with pytest.raises(ValueError, match="must divide d_model"):
+        at_width(BENCH_CONFIG, 48)
 
 
 def test_transformers_decode_step_is_counted_the_same_way():
@@ -72,6 +103,15 @@ def test_transformers_decode_step_is_counted_the_same_way():
 
     calls = transformers_step_operations(prompt_len=4)  # the book's tiny hybrid
     assert calls == transformers_step_operations(prompt_len=6) > 10
+
+
+def test_against_transformers_times_the_narrow_twin_only_when_asked():
+    from gpt2kimi.experiments.hybrid_speed import against_transformers
+
+    plain = against_transformers(prompt_len=5, new_tokens=3, rounds=1)
+    with_floor = against_transformers(prompt_len=5, new_tokens=3, rounds=1, floor_width=8)
+    assert plain["same_tokens"] and with_floor["same_tokens"]
+    assert "floor_s" not in plain and with_floor["floor_s"] > 0
 
 
 def test_prefill_and_step_time_the_same_decoding_on_both_sides():

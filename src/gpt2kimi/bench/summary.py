@@ -12,9 +12,11 @@ Rows (each measured side by side in interleaved rounds, on the same weights):
   the library's lead can be;
 - the tiny hybrid's greedy generation against ``transformers``' ``KimiLinearForCausalLM``
   (a 256-token prompt included), :func:`gpt2kimi.experiments.hybrid_speed.against_transformers`,
-  then its two parts, the prompt's prefill and one decode step, timed apart
-  (:func:`~gpt2kimi.experiments.hybrid_speed.prefill_and_step`), and the two decode steps'
-  operator calls (at batch 1 a step's time follows their number);
+  beside the same generation with every width cut to 8
+  (:func:`~gpt2kimi.experiments.hybrid_speed.at_width`: the same operator calls, next to no
+  arithmetic), the floor these calls set, then its two parts, the prompt's prefill and one
+  decode step, timed apart (:func:`~gpt2kimi.experiments.hybrid_speed.prefill_and_step`), and
+  the two decode steps' operator calls (at batch 1 a step's time follows their number);
 - GPT-2 small's cached greedy decode against ``transformers``' ``generate``, and its tokens
   per second against the decode roofline and against its own matrix-vector products run alone
   (which on a CPU draw less than a copy's bandwidth), the copy that measures the bandwidth and
@@ -90,10 +92,18 @@ def rows(rounds: int = 3, quick: bool = False) -> list[Row]:
                        f"{s['transformers'] * 1e3:.1f} ms", f"{s['dense'] * 1e3:.1f} ms",
                        s["transformers"] / s["dense"], 2.0))
     gen = against_transformers(prompt_len=32 if quick else 256, new_tokens=8 if quick else 32,
-                               rounds=rounds)
+                               rounds=rounds, floor_width=8)
     out.append(Row("hybrid generate vs transformers KimiLinearForCausalLM",
                    f"{gen['ours_s'] * 1e3:.0f} ms", f"{gen['transformers_s'] * 1e3:.0f} ms",
                    gen["transformers_s"] / gen["ours_s"], 3.0))
+    # its calls' own cost: the same model at width 8 makes the same operator calls with next to
+    # no arithmetic, so its generation is the least these calls take
+    out.append(Row("  the same calls at width 8 (next to no arithmetic): their time over ours",
+                   f"{gen['floor_s'] * 1e3:.0f} ms", f"{gen['ours_s'] * 1e3:.0f} ms",
+                   gen["floor_s"] / gen["ours_s"], None))
+    out.append(Row("  transformers over that floor (the most a lead can be with these calls)",
+                   f"{gen['floor_s'] * 1e3:.0f} ms", f"{gen['transformers_s'] * 1e3:.0f} ms",
+                   gen["transformers_s"] / gen["floor_s"], None))
     # the generation split in two: the prompt read at once, then one token at a time
     parts = prefill_and_step(prompt_len=32 if quick else 256, steps=4 if quick else 16,
                              rounds=rounds)

@@ -8,8 +8,11 @@ MLA in every layer, and with chapter 2's multi-head softmax attention in every l
 this library and with ``transformers``' ``KimiLinearForCausalLM`` on the same weights, and
 :func:`step_operations` counts the PyTorch operations one decode step runs
 (:func:`transformers_step_operations` those of ``transformers``' step) and
-:func:`dispatch_floor` times as many calls of an operator that does next to nothing
-(:func:`step_against_floor`: both timed side by side).
+:func:`dispatch_floor` times as many calls of an operator that does next to nothing;
+:func:`at_width` shrinks every width of a config, keeping its layers, heads and experts, so
+that its model makes the same calls with next to no arithmetic in them
+(:func:`step_against_floor` times a step beside both floors, side by side, and
+:func:`against_transformers` a generation beside its narrow twin's).
 ``python -m gpt2kimi.bench hybrid`` prints both timings.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -27,8 +31,9 @@ from gpt2kimi.attention import SoftmaxAttention
 from gpt2kimi.backbone import LanguageModel
 from gpt2kimi.configs import HybridConfig, KDAConfig, MLAConfig, MoEConfig
 from gpt2kimi.experiments.decoding import fill_cache
-from gpt2kimi.experiments.reference_speed import greedy_side_by_side
+from gpt2kimi.experiments.reference_speed import greedy_runs
 from gpt2kimi.kimi_linear import KimiHybrid, make_ffn, to_hf_state_dict
+from gpt2kimi.kv_cache import generate
 from gpt2kimi.timing import fastest_interleaved, timed
 
 # The book's tiny hybrid: 4 layers, KDA ×3 then MLA, a dense first feed-forward, then experts.
@@ -131,18 +136,27 @@ def format_sweep(sweep: dict) -> str:
 @torch.no_grad()
 def against_transformers(
     config: HybridConfig = BENCH_CONFIG, prompt_len: int = 32, new_tokens: int = 32,
-    rounds: int = 3,
+    rounds: int = 3, *, floor_width: int | None = None,
 ) -> dict:
     """Seconds to generate ``new_tokens`` greedy tokens with this library and with
     ``transformers`` (its PyTorch fallbacks) on the same weights, the fastest of ``rounds``
-    interleaved rounds; the outputs are checked equal."""
+    interleaved rounds; the outputs are checked equal.
+
+    With ``floor_width``, the same rounds also time the library's generation with the model
+    :func:`at_width` ``floor_width`` (``floor_s``): the same operator calls with next to no
+    arithmetic, the least this generation can take while it makes them.
+    """
     model, hf = _both_hybrids(config)
     prompt = _prompt(config, prompt_len)
-
-    same, best = greedy_side_by_side(model, hf, prompt, new_tokens, rounds)
-    t_ours, t_theirs = best["ours"], best["theirs"]
-    return {"ours_s": t_ours, "transformers_s": t_theirs, "same_tokens": same,
-            "prompt_len": prompt_len, "new_tokens": new_tokens}
+    same, runs = greedy_runs(model, hf, prompt, new_tokens)
+    if floor_width is not None:
+        torch.manual_seed(0)
+        narrow = KimiHybrid(at_width(config, floor_width)).eval()
+        runs["floor"] = timed(partial(generate, narrow, prompt, new_tokens))
+    best = fastest_interleaved(runs, rounds)
+    out = {"ours_s": best["ours"], "transformers_s": best["theirs"], "same_tokens": same,
+           "prompt_len": prompt_len, "new_tokens": new_tokens}
+    return out if floor_width is None else out | {"floor_s": best["floor"]}
 
 
 @torch.no_grad()
@@ -250,6 +264,16 @@ def step_operations(model: nn.Module, context: int = 32, batch: int = 1) -> int:
     return counter.calls
 
 
+@torch.inference_mode()  # as generate decodes
+def generation_operations(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> int:
+    """The operator calls of :func:`~gpt2kimi.kv_cache.generate`'s greedy generation of
+    ``new_tokens`` tokens after ``prompt`` [B, T]: the prompt's prefill and every decode step
+    (a model :func:`at_width` makes as many as the model it shrinks)."""
+    with _CountOperations() as counter:
+        generate(model, prompt, new_tokens)
+    return counter.calls
+
+
 @torch.no_grad()  # as its generate decodes
 def transformers_step_operations(
     config: HybridConfig = BENCH_CONFIG, prompt_len: int = 32
@@ -275,16 +299,56 @@ def dispatch_floor(calls: int, rounds: int = 5) -> float:
 
 
 def step_against_floor(
-    model: nn.Module, context: int = 1024, *, batch: int = 1, steps: int = 8, rounds: int = 5
-) -> tuple[int, float, float]:
-    """``(calls, step seconds, floor seconds)``: the operator calls of one greedy decode step of
-    ``model`` after ``context`` cached tokens (:func:`step_operations`), the step's time, and
-    the time of as many calls of :func:`dispatch_floor`'s no-op, the two timed in the same
-    interleaved rounds so that a busy moment of the machine slows both alike."""
+    model: nn.Module, context: int = 1024, *, narrow: nn.Module | None = None, batch: int = 1,
+    steps: int = 8, rounds: int = 5,
+) -> dict:
+    """One greedy decode step of ``model`` after ``context`` cached tokens beside what its
+    operator calls cost without their arithmetic, all timed in the same interleaved rounds so
+    that a busy moment of the machine slows them alike. Returns a dict of
+
+    - ``calls``: the step's operator calls (:func:`step_operations`), and ``step_s``, its seconds;
+    - ``no_op_s``: as many calls of :func:`dispatch_floor`'s no-op (adding 0 to one number);
+    - with ``narrow`` (the same layers at a tiny width, :func:`at_width`), ``narrow_s``: its
+      step after as many cached tokens, the same calls with next to no arithmetic in them, each
+      allocating and writing its output as the step's do (``narrow_calls``: their number).
+    """
     calls = step_operations(model, context, batch)
-    best = fastest_interleaved({"step": decode_timer(model, context, batch=batch, steps=steps),
-                                "floor": timed(_no_op_calls(calls * steps))}, rounds)
-    return calls, best["step"] / steps, best["floor"] / steps
+    runs = {"step": decode_timer(model, context, batch=batch, steps=steps),
+            "no_op": timed(_no_op_calls(calls * steps))}
+    if narrow is not None:
+        runs["narrow"] = decode_timer(narrow, context, batch=batch, steps=steps)
+    best = fastest_interleaved(runs, rounds)
+    out = {"calls": calls} | {f"{name}_s": seconds / steps for name, seconds in best.items()}
+    if narrow is not None:
+        out["narrow_calls"] = step_operations(narrow, context, batch)
+    return out
+
+
+def at_width(config: HybridConfig = BENCH_CONFIG, width: int = 8) -> HybridConfig:
+    """``config`` with its model width cut to ``width`` and every other width (heads, latents,
+    hidden layers) by the same factor, none below 2: the same layers, heads, experts and
+    routing, so a step or a generation makes the same operator calls, with next to no
+    arithmetic in them. What such a model's decoding costs is the calls' own cost."""
+    if config.d_model % width:
+        raise ValueError(f"width={width} must divide d_model={config.d_model}")
+    factor = config.d_model // width
+
+    def cut(n: int) -> int:
+        return max(2, n // factor)
+
+    kda, mla, moe = config.kda, config.mla, config.moe
+    if kda is not None and kda.head_dim is not None:
+        kda = replace(kda, head_dim=cut(kda.head_dim))
+    if mla is not None:
+        mla = replace(
+            mla, d_model=width, kv_lora_rank=cut(mla.kv_lora_rank),
+            qk_nope_head_dim=cut(mla.qk_nope_head_dim), v_head_dim=cut(mla.v_head_dim),
+            qk_rope_head_dim=cut(mla.qk_rope_head_dim) // 2 * 2 if mla.qk_rope_head_dim else 0,
+            q_lora_rank=None if mla.q_lora_rank is None else cut(mla.q_lora_rank))
+    if moe is not None:
+        moe = replace(moe, d_model=width, expert_hidden=cut(moe.expert_hidden))
+    return config.replace(d_model=width, dense_hidden=cut(config.dense_hidden), kda=kda,
+                          mla=mla, moe=moe)
 
 
 def _no_op_calls(calls: int) -> Callable[[], None]:
