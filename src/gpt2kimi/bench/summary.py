@@ -74,6 +74,11 @@ class Row:
         return None if self.target is None else self.ratio >= self.target
 
 
+def _ms(seconds: float, digits: int = 0) -> str:
+    """A time for a table cell, in milliseconds."""
+    return f"{seconds * 1e3:.{digits}f} ms"
+
+
 def rows(rounds: int = 3, quick: bool = False) -> list[Row]:
     """Measure every row (``quick``: small sizes that only check the plumbing)."""
     out = []
@@ -81,38 +86,38 @@ def rows(rounds: int = 3, quick: bool = False) -> list[Row]:
     if "transformers" in moe["seconds"]:
         s = moe["seconds"]
         out.append(Row("MoE forward vs transformers KimiLinearMoE (eager)",
-                       f"{s['moe'] * 1e3:.1f} ms", f"{s['transformers'] * 1e3:.1f} ms",
+                       _ms(s["moe"], 1), _ms(s["transformers"], 1),
                        s["transformers"] / s["moe"], 2.0))
         # the roof: no dispatch beats one dense product of the same arithmetic, so the lead
         # over transformers is bounded by its time over the dense layer's
         out.append(Row("  the same vs a dense SwiGLU of equal active size (its roof)",
-                       f"{s['moe'] * 1e3:.1f} ms", f"{s['dense'] * 1e3:.1f} ms",
+                       _ms(s["moe"], 1), _ms(s["dense"], 1),
                        s["dense"] / s["moe"], 0.85))
         out.append(Row("  transformers' MoE vs that dense layer (the most a lead can be)",
-                       f"{s['transformers'] * 1e3:.1f} ms", f"{s['dense'] * 1e3:.1f} ms",
+                       _ms(s["transformers"], 1), _ms(s["dense"], 1),
                        s["transformers"] / s["dense"], 2.0))
     gen = against_transformers(prompt_len=32 if quick else 256, new_tokens=8 if quick else 32,
                                rounds=rounds, floor_width=8)
     out.append(Row("hybrid generate vs transformers KimiLinearForCausalLM",
-                   f"{gen['ours_s'] * 1e3:.0f} ms", f"{gen['transformers_s'] * 1e3:.0f} ms",
+                   _ms(gen["ours_s"]), _ms(gen["transformers_s"]),
                    gen["transformers_s"] / gen["ours_s"], 3.0))
     # its calls' own cost: the same model at width 8 makes the same operator calls with next to
     # no arithmetic, so its generation is the least these calls take
     out.append(Row("  the same calls at width 8 (next to no arithmetic): their time over ours",
-                   f"{gen['floor_s'] * 1e3:.0f} ms", f"{gen['ours_s'] * 1e3:.0f} ms",
+                   _ms(gen["floor_s"]), _ms(gen["ours_s"]),
                    gen["floor_s"] / gen["ours_s"], None))
     out.append(Row("  transformers over that floor (the most a lead can be with these calls)",
-                   f"{gen['floor_s'] * 1e3:.0f} ms", f"{gen['transformers_s'] * 1e3:.0f} ms",
+                   _ms(gen["floor_s"]), _ms(gen["transformers_s"]),
                    gen["transformers_s"] / gen["floor_s"], None))
     # the generation split in two: the prompt read at once, then one token at a time
     parts = prefill_and_step(prompt_len=32 if quick else 256, steps=4 if quick else 16,
                              rounds=rounds)
     ours, theirs = parts["ours"], parts["transformers"]
     out.append(Row("  its prompt's prefill: transformers over ours",
-                   f"{ours['prefill_s'] * 1e3:.1f} ms", f"{theirs['prefill_s'] * 1e3:.1f} ms",
+                   _ms(ours["prefill_s"], 1), _ms(theirs["prefill_s"], 1),
                    theirs["prefill_s"] / ours["prefill_s"], None))
     out.append(Row("  one decode step after it: transformers over ours",
-                   f"{ours['step_s'] * 1e3:.2f} ms", f"{theirs['step_s'] * 1e3:.2f} ms",
+                   _ms(ours["step_s"], 2), _ms(theirs["step_s"], 2),
                    theirs["step_s"] / ours["step_s"], None))
     # at batch 1 a decode step's time follows its number of operator calls (chapter 8)
     calls = step_operations(KimiHybrid(BENCH_CONFIG).eval(), context=32)
@@ -123,12 +128,12 @@ def rows(rounds: int = 3, quick: bool = False) -> list[Row]:
     if not (gen["same_tokens"] and parts["same_tokens"] and dec["same_tokens"]):
         raise RuntimeError("the library and transformers generated different tokens")
     out.append(Row("GPT-2 small cached greedy decode vs transformers generate",
-                   f"{dec['ours_s'] * 1e3:.0f} ms", f"{dec['transformers_s'] * 1e3:.0f} ms",
+                   _ms(dec["ours_s"]), _ms(dec["transformers_s"]),
                    dec["transformers_s"] / dec["ours_s"], 1.1))
     # precision, labelled apart: the rows above and below compare fp32 with fp32
     out.append(Row(f"  with bf16 weights ({dec['bf16_agree']} of {dec['new_tokens']} tokens "
-                   "as fp32's): fp32 over bf16", f"{dec['bf16_s'] * 1e3:.0f} ms",
-                   f"{dec['ours_s'] * 1e3:.0f} ms", dec["ours_s"] / dec["bf16_s"], None))
+                   "as fp32's): fp32 over bf16", _ms(dec["bf16_s"]),
+                   _ms(dec["ours_s"]), dec["ours_s"] / dec["bf16_s"], None))
     out.append(Row("GPT-2 small decode vs its roofline (weights + cache at copy bandwidth)",
                    f"{dec['tokens_per_s']:.1f} tok/s", f"{dec['roof_tokens_per_s']:.1f} tok/s",
                    dec["roof_fraction"], 0.85))
@@ -158,7 +163,7 @@ def rows(rounds: int = 3, quick: bool = False) -> list[Row]:
     if step["loss_diff"] > 1e-4:
         raise RuntimeError(f"the two GPT-2s' losses differ by {step['loss_diff']:.1e}")
     out.append(Row("training step, 4-layer 128-wide byte GPT-2 vs transformers GPT-2",
-                   f"{step['ours_s'] * 1e3:.0f} ms", f"{step['transformers_s'] * 1e3:.0f} ms",
+                   _ms(step["ours_s"]), _ms(step["transformers_s"]),
                    step["transformers_s"] / step["ours_s"], 1.2))
     return out
 

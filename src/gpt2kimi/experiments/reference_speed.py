@@ -49,25 +49,14 @@ def _hf_gpt2(config: GPT2Config, seed: int = 0):
     return GPT2LMHeadModel(hf_config)
 
 
-@torch.no_grad()
-def greedy_side_by_side(
-    ours: torch.nn.Module, hf: torch.nn.Module, prompt: torch.Tensor, new_tokens: int,
-    rounds: int,
-) -> tuple[bool, dict[str, float]]:
-    """Greedy generation of ``new_tokens`` after ``prompt`` [B, T] with this library's
-    :func:`~gpt2kimi.kv_cache.generate` on ``ours`` and with ``transformers``' ``generate`` on
-    ``hf`` (the same weights): whether the tokens are equal, and each one's seconds
-    (``{"ours", "theirs"}``), the fastest of ``rounds`` interleaved rounds."""
-    same, runs = greedy_runs(ours, hf, prompt, new_tokens)
-    return same, fastest_interleaved(runs, rounds)
-
-
 def greedy_runs(
     ours: torch.nn.Module, hf: torch.nn.Module, prompt: torch.Tensor, new_tokens: int
 ) -> tuple[bool, dict[str, Callable[[], float]]]:
-    """:func:`greedy_side_by_side`'s two generations as runs for
-    :func:`~gpt2kimi.timing.fastest_interleaved` (``{"ours", "theirs"}``), and whether they
-    generate the same tokens, so that a caller can time other runs in the same rounds."""
+    """Greedy generation of ``new_tokens`` after ``prompt`` [B, T] with this library's
+    :func:`~gpt2kimi.kv_cache.generate` on ``ours`` and with ``transformers``' ``generate`` on
+    ``hf`` (the same weights), as runs for :func:`~gpt2kimi.timing.fastest_interleaved`
+    (``{"ours", "theirs"}``), and whether they generate the same tokens: a caller times them
+    in the same rounds as its other runs."""
 
     def run_ours() -> torch.Tensor:
         return generate(ours, prompt, new_tokens)
