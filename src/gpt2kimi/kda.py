@@ -24,6 +24,7 @@ from gpt2kimi.configs import KDAConfig
 from gpt2kimi.deltanet import DeltaNet, DeltaNetState, l2_normalize
 from gpt2kimi.gated_deltanet import GatedRMSNorm, init_A_log, init_dt_bias, log_decay
 from gpt2kimi.ops import chunk_kda, fused_recurrent_kda_step
+from gpt2kimi.ops.native import fused_kda_decode_step, native_available
 from gpt2kimi.ops.utils import compute_dtype
 
 # ----------------------------------------------------------------------------------------------
@@ -119,7 +120,8 @@ class KimiDeltaAttention(DeltaNet):
         """x: [B, T, d_model] -> y: [B, T, d_model] (and the new state, if ``return_state``)."""
         B, T, _ = x.shape
         if T == 1:  # one decoded token: one step of the recurrence, without the chunk machinery
-            y, state = self.step(x, state)
+            stepped = self.fused_step(x, state)  # in one C call where it can
+            y, state = stepped if stepped is not None else self.step(x, state)
             return (y, state) if return_state else y
         q, k, v, conv = self.qkv(x, state)
         beta = torch.sigmoid(self.b_proj(x))  # [B, T, H]
@@ -158,6 +160,24 @@ class KimiDeltaAttention(DeltaNet):
         o = o if o.dtype == x.dtype else o.to(x.dtype)
         y = self.o_norm(o, gate.view(B, H, D)).view(B, -1) @ w.o
         return y.view(B, 1, -1), DeltaNetState(memory, window[:, 1:])
+
+    def fused_step(
+        self, x: Tensor, state: DeltaNetState | None
+    ) -> tuple[Tensor, DeltaNetState] | None:
+        """:meth:`step` with everything between the two projections in one compiled C call
+        (:func:`~gpt2kimi.ops.native.fused_kda_decode_step`, tested equal to it), or None where
+        that does not apply: no C compiler, gradients on, a fresh sequence, not fp32 on the CPU.
+        The same few thousand numbers in three calls instead of about fifty."""
+        if state is None or torch.is_grad_enabled() or not native_available():
+            return None
+        B, w = x.shape[0], self.step_weights()
+        fused = fused_kda_decode_step(
+            x.reshape(B, -1) @ w.proj, state.conv, w.conv, w.f_b, w.A_log, w.dt_bias, w.g_b,
+            w.g_b_bias, self.o_norm.weight, self.o_norm.eps, self.head_dim**-0.5, state.memory)
+        if fused is None:
+            return None
+        out, memory, conv = fused
+        return (out @ w.o).view(B, 1, -1), DeltaNetState(memory, conv)
 
     def step_weights(self) -> KDAStepWeights:
         """The weights as :meth:`step` reads them (:func:`~gpt2kimi.backbone.decode_layout`:

@@ -1,0 +1,103 @@
+/* One decoded token of a Kimi Delta Attention layer, after its input projection, in one call.
+ *
+ * The same arithmetic as KimiDeltaAttention.step (gpt2kimi/kda.py) from the projected token
+ * h = x @ proj on: the short convolution, the L2 norms of q and k, beta, the forget gate, the
+ * delta rule's step of the memory, the output gate and its RMSNorm. At decode time each PyTorch
+ * call costs a few microseconds whatever it computes, and the step makes about fifty of them over
+ * a few thousand numbers; here they are loops over the same numbers. fp32, C-contiguous arrays,
+ * one thread. Built by gpt2kimi/ops/native.py; tested equal to the PyTorch step.
+ */
+#include <math.h>
+#include <stddef.h>
+
+static float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+static float softplusf_(float x) {  /* as torch.nn.functional.softplus: linear above 20 */
+    return x > 20.0f ? x : log1pf(expf(x));
+}
+
+/*
+ * B sequences, H heads of D channels, conv_size C; N = 3 * H * D (q, k and v side by side).
+ *
+ * h        [B, N + H + 2D]  the projected token: q, k, v | beta | forget gate's f_a | gate's g_a
+ * conv     [B, C - 1, N]    the convolution's last inputs          -> new_conv [B, C - 1, N]
+ * conv_w   [C, N]           its kernel, oldest input first
+ * f_b      [D, H * D]       the forget gate's up-projection, A_log [H], dt_bias [H * D]
+ * g_b      [D, H * D]       the output gate's up-projection, g_b_bias [H * D] or NULL
+ * norm_w   [D]              the output RMSNorm's weight, norm_eps its epsilon
+ * memory   [B, H, D, D]     S, rows by key channel                 -> new_memory
+ * out      [B, H * D]       RMSNorm(o) * sigmoid(gate), ready for the output projection
+ * work     [N + 3 * H * D]  scratch
+ */
+void kda_decode_step(int B, int H, int D, int C, const float *h, const float *conv,
+                     const float *conv_w, const float *f_b, const float *A_log,
+                     const float *dt_bias, const float *g_b, const float *g_b_bias,
+                     const float *norm_w, float norm_eps, float scale, const float *memory,
+                     float *new_memory, float *new_conv, float *out, float *work) {
+    const int HD = H * D, N = 3 * HD, width = N + H + 2 * D;
+    float *qkv = work, *g = work + N, *gate = work + N + HD, *o = work + N + 2 * HD;
+    for (int b = 0; b < B; b++) {
+        const float *hb = h + (size_t)b * width;
+        const float *cb = conv + (size_t)b * (C - 1) * N;
+        float *nb = new_conv + (size_t)b * (C - 1) * N;
+        /* the short convolution over the window [conv; h], then SiLU; the window moves on */
+        for (int n = 0; n < N; n++) {
+            float s = 0.0f;
+            for (int c = 0; c < C - 1; c++) s += cb[(size_t)c * N + n] * conv_w[(size_t)c * N + n];
+            s += hb[n] * conv_w[(size_t)(C - 1) * N + n];
+            qkv[n] = s * sigmoidf_(s);
+        }
+        for (int c = 0; c < C - 2; c++)
+            for (int n = 0; n < N; n++) nb[(size_t)c * N + n] = cb[(size_t)(c + 1) * N + n];
+        for (int n = 0; n < N; n++) nb[(size_t)(C - 2) * N + n] = hb[n];
+        /* q and k to unit length per head (eps 1e-6, as l2_normalize) */
+        for (int part = 0; part < 2; part++)
+            for (int hh = 0; hh < H; hh++) {
+                float *x = qkv + part * HD + hh * D, ss = 0.0f;
+                for (int i = 0; i < D; i++) ss += x[i] * x[i];
+                const float r = 1.0f / sqrtf(ss + 1e-6f);
+                for (int i = 0; i < D; i++) x[i] *= r;
+            }
+        /* the forget gate g = -exp(A_log) softplus(f_a f_b + dt_bias) and the output gate */
+        const float *f_a = hb + N + H, *g_a = hb + N + H + D;
+        for (int j = 0; j < HD; j++) {
+            g[j] = 0.0f;
+            gate[j] = g_b_bias ? g_b_bias[j] : 0.0f;
+        }
+        for (int i = 0; i < D; i++)  /* row by row: the inner loop reads memory in order */
+            for (int j = 0; j < HD; j++) {
+                g[j] += f_a[i] * f_b[(size_t)i * HD + j];
+                gate[j] += g_a[i] * g_b[(size_t)i * HD + j];
+            }
+        for (int j = 0; j < HD; j++) g[j] = -expf(A_log[j / D]) * softplusf_(g[j] + dt_bias[j]);
+        for (int hh = 0; hh < H; hh++) {
+            const float *q = qkv + hh * D, *k = qkv + HD + hh * D, *v = qkv + 2 * HD + hh * D;
+            const float beta = sigmoidf_(hb[N + hh]);
+            const float *S0 = memory + ((size_t)b * H + hh) * D * D;
+            float *S = new_memory + ((size_t)b * H + hh) * D * D, *oh = o + hh * D;
+            /* S <- Diag(exp g) S, then e = beta (v - S^T k), S <- S + k e^T, o = scale S^T q */
+            for (int j = 0; j < D; j++) oh[j] = 0.0f;  /* first S^T k, then reused for S^T q */
+            for (int i = 0; i < D; i++) {
+                const float alpha = expf(g[hh * D + i]);
+                for (int j = 0; j < D; j++) {
+                    const float s = S0[(size_t)i * D + j] * alpha;
+                    S[(size_t)i * D + j] = s;
+                    oh[j] += k[i] * s;
+                }
+            }
+            for (int j = 0; j < D; j++) oh[j] = (v[j] - oh[j]) * beta;  /* the error e */
+            for (int i = 0; i < D; i++)
+                for (int j = 0; j < D; j++) S[(size_t)i * D + j] += k[i] * oh[j];
+            for (int j = 0; j < D; j++) oh[j] = 0.0f;
+            for (int i = 0; i < D; i++)
+                for (int j = 0; j < D; j++) oh[j] += q[i] * S[(size_t)i * D + j];
+            /* RMSNorm over the head's channels, its weight, the sigmoid output gate */
+            float ss = 0.0f;
+            for (int j = 0; j < D; j++) { oh[j] *= scale; ss += oh[j] * oh[j]; }
+            const float r = 1.0f / sqrtf(ss / D + norm_eps);
+            float *ob = out + (size_t)b * HD + hh * D;
+            for (int j = 0; j < D; j++)
+                ob[j] = oh[j] * r * norm_w[j] * sigmoidf_(gate[hh * D + j]);
+        }
+    }
+}
