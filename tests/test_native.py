@@ -87,3 +87,15 @@ def test_without_the_c_step_the_layer_runs_its_pytorch_step(monkeypatch):
     with torch.no_grad():
         assert layer.fused_step(x, state) is None
         assert torch.equal(layer(x, state), layer.step(x, state)[0])
+
+
+def test_a_cache_that_cannot_be_written_means_no_c_step(monkeypatch, tmp_path):
+    blocked = tmp_path / "a_file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("GPT2KIMI_CACHE", str(blocked / "gpt2kimi"))
+    native._kernel.cache_clear()
+    try:
+        assert not native.native_available()  # no error: the layer runs its PyTorch step
+    finally:
+        monkeypatch.undo()
+        native._kernel.cache_clear()

@@ -136,3 +136,17 @@ def test_summary_measures_every_row_and_indents_the_rows_without_targets():
     assert all(r.name.startswith("  ") for r in table if r.target is None)
     bytes_rows = [r for r in table if r.name.startswith("  bytes one step reads")]
     assert len(bytes_rows) == 2 and bytes_rows[0].ratio < bytes_rows[1].ratio  # longer: more
+
+
+def test_pytorch_kda_step_turns_the_c_step_off_and_back_on(monkeypatch):
+    import os
+
+    from gpt2kimi.experiments.hybrid_speed import pytorch_kda_step
+    from gpt2kimi.ops import native
+
+    monkeypatch.delenv("GPT2KIMI_NATIVE", raising=False)
+    native._kernel.cache_clear()
+    before = native.native_available()  # False only where there is no C compiler
+    with pytorch_kda_step():
+        assert not native.native_available()
+    assert native.native_available() == before and "GPT2KIMI_NATIVE" not in os.environ

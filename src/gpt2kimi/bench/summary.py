@@ -12,7 +12,9 @@ Rows (each measured side by side in interleaved rounds, on the same weights):
   the library's lead can be;
 - the tiny hybrid's greedy generation against ``transformers``' ``KimiLinearForCausalLM``
   (a 256-token prompt included), :func:`gpt2kimi.experiments.hybrid_speed.against_transformers`,
-  beside the same generation with every width cut to 8
+  again with KDA's PyTorch decode step instead of the compiled C one
+  (:func:`~gpt2kimi.experiments.hybrid_speed.pytorch_kda_step`), beside the same generation
+  with every width cut to 8
   (:func:`~gpt2kimi.experiments.hybrid_speed.at_width`: the same operator calls, next to no
   arithmetic), the floor these calls set, then its two parts, the prompt's prefill and one
   decode step, timed apart (:func:`~gpt2kimi.experiments.hybrid_speed.prefill_and_step`), and
@@ -48,6 +50,7 @@ from gpt2kimi.experiments.hybrid_speed import (
     build_models,
     decode_sweep,
     prefill_and_step,
+    pytorch_kda_step,
     step_operations,
     transformers_step_operations,
 )
@@ -101,6 +104,13 @@ def rows(rounds: int = 3, quick: bool = False) -> list[Row]:
     out.append(Row("hybrid generate vs transformers KimiLinearForCausalLM",
                    _ms(gen["ours_s"]), _ms(gen["transformers_s"]),
                    gen["transformers_s"] / gen["ours_s"], 3.0))
+    # what the compiled KDA step saves: the same generation with KDA's PyTorch step
+    with pytorch_kda_step():
+        eager = against_transformers(prompt_len=32 if quick else 256,
+                                     new_tokens=8 if quick else 32, rounds=rounds)
+    out.append(Row("  the same with KDA's PyTorch step (as without a C compiler)",
+                   _ms(eager["ours_s"]), _ms(eager["transformers_s"]),
+                   eager["transformers_s"] / eager["ours_s"], None))
     # its calls' own cost: the same model at width 8 makes the same operator calls with next to
     # no arithmetic, so its generation is the least these calls take
     out.append(Row("  the same calls at width 8 (next to no arithmetic): their time over ours",

@@ -13,13 +13,16 @@ this library and with ``transformers``' ``KimiLinearForCausalLM`` on the same we
 that its model makes the same calls with next to no arithmetic in them
 (:func:`step_against_floor` times a step beside both floors, side by side, and
 :func:`against_transformers` a generation beside its narrow twin's).
-``python -m gpt2kimi.bench hybrid`` prints both timings.
+Within :func:`pytorch_kda_step`, KDA layers decode with their PyTorch step, as they do where
+there is no C compiler. ``python -m gpt2kimi.bench hybrid`` prints both timings.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
 
@@ -34,6 +37,7 @@ from gpt2kimi.experiments.decoding import fill_cache
 from gpt2kimi.experiments.reference_speed import greedy_runs
 from gpt2kimi.kimi_linear import KimiHybrid, make_ffn, to_hf_state_dict
 from gpt2kimi.kv_cache import generate
+from gpt2kimi.ops import native
 from gpt2kimi.timing import fastest_interleaved, timed
 
 # The book's tiny hybrid: 4 layers, KDA ×3 then MLA, a dense first feed-forward, then experts.
@@ -229,6 +233,24 @@ def _transformers_hybrid(config: HybridConfig) -> nn.Module:
 
     hf_config = KimiLinearConfig(**config.to_hf(), pad_token_id=0, bos_token_id=1, eos_token_id=2)
     return KimiLinearForCausalLM(hf_config).eval()
+
+
+@contextmanager
+def pytorch_kda_step() -> Iterator[None]:
+    """Within it, every KDA layer decodes with its PyTorch step (fifty-odd calls,
+    :meth:`~gpt2kimi.kda.KimiDeltaAttention.step`) instead of the compiled C step
+    (:mod:`gpt2kimi.ops.native`), as where there is no C compiler: what the C step saves."""
+    saved = os.environ.get("GPT2KIMI_NATIVE")
+    os.environ["GPT2KIMI_NATIVE"] = "0"
+    native._kernel.cache_clear()  # read the setting again
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["GPT2KIMI_NATIVE"]
+        else:
+            os.environ["GPT2KIMI_NATIVE"] = saved
+        native._kernel.cache_clear()
 
 
 def _prompt(config: HybridConfig, length: int) -> torch.Tensor:

@@ -51,15 +51,15 @@ def _build(path: Path) -> bool:
     """Compile :data:`SOURCE` into ``path``, for this CPU if the compiler can, else generic."""
     compiler = os.environ.get("CC", "cc")
     partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    path.parent.mkdir(parents=True, exist_ok=True)
     for flags in (["-O3", "-march=native"], ["-O3"]):
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)  # (a read-only home: no C step)
             subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(partial),
                             str(SOURCE), "-lm"], check=True, capture_output=True, timeout=300)
+            os.replace(partial, path)  # whole or not at all, should two processes build it
         except (OSError, subprocess.SubprocessError):
             partial.unlink(missing_ok=True)
             continue
-        os.replace(partial, path)  # whole or not at all, should two processes build it
         return True
     return False
 
