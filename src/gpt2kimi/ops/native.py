@@ -14,6 +14,7 @@ is False and the layer runs its PyTorch step instead.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -58,7 +59,8 @@ def _build(path: Path) -> bool:
                             str(SOURCE), "-lm"], check=True, capture_output=True, timeout=300)
             os.replace(partial, path)  # whole or not at all, should two processes build it
         except (OSError, subprocess.SubprocessError):
-            partial.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
             continue
         return True
     return False
