@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from gpt2kimi.deltanet import DeltaNetState
 from gpt2kimi.kda import KimiDeltaAttention
 from gpt2kimi.ops import native
 
@@ -58,12 +57,11 @@ def test_fused_step_steps_aside_where_it_does_not_apply():
     assert layer.fused_step(x, state) is None  # gradients on: autograd needs the PyTorch step
     with torch.no_grad():
         assert layer.fused_step(x, None) is None  # a fresh sequence: the PyTorch step starts it
-        double = DeltaNetState(state.memory.double(), state.conv)
         w = layer.step_weights()
         h = x.reshape(2, -1) @ w.proj
         args = (state.conv, w.conv, w.f_b, w.A_log, w.dt_bias, w.g_b, w.g_b_bias,
                 layer.o_norm.weight, layer.o_norm.eps, 0.25)
-        assert native.fused_kda_decode_step(h, *args, double.memory) is None  # fp32 only
+        assert native.fused_kda_decode_step(h, *args, state.memory.double()) is None  # fp32 only
 
 
 @needs_compiler
