@@ -24,7 +24,12 @@ from gpt2kimi.configs import KDAConfig
 from gpt2kimi.deltanet import DeltaNet, DeltaNetState, l2_normalize
 from gpt2kimi.gated_deltanet import GatedRMSNorm, init_A_log, init_dt_bias, log_decay
 from gpt2kimi.ops import chunk_kda, fused_recurrent_kda_step
-from gpt2kimi.ops.native import fused_kda_decode_step, native_available
+from gpt2kimi.ops.native import (
+    NativeWeights,
+    fused_kda_decode_step,
+    kda_step_weights,
+    native_available,
+)
 from gpt2kimi.ops.utils import compute_dtype
 
 # ----------------------------------------------------------------------------------------------
@@ -69,6 +74,7 @@ class KDAStepWeights(NamedTuple):
     g_b: Tensor
     g_b_bias: Tensor | None
     o: Tensor
+    native: NativeWeights | None = None  # the same bound for the C step (None: not usable)
 
 
 class KimiDeltaAttention(DeltaNet):
@@ -171,9 +177,8 @@ class KimiDeltaAttention(DeltaNet):
         if state is None or torch.is_grad_enabled() or not native_available():
             return None
         B, w = x.shape[0], self.step_weights()
-        fused = fused_kda_decode_step(
-            x.reshape(B, -1) @ w.proj, state.conv, w.conv, w.f_b, w.A_log, w.dt_bias, w.g_b,
-            w.g_b_bias, self.o_norm.weight, self.o_norm.eps, self.head_dim**-0.5, state.memory)
+        fused = None if w.native is None else fused_kda_decode_step(
+            x.reshape(B, -1) @ w.proj, state.conv, state.memory, w.native)
         if fused is None:
             return None
         out, memory, conv = fused
@@ -187,7 +192,7 @@ class KimiDeltaAttention(DeltaNet):
             gate = self.forget_gate
             proj = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
                               self.b_proj.weight, gate.f_a_proj.weight, self.g_a_proj.weight])
-            return KDAStepWeights(
+            w = KDAStepWeights(
                 proj=proj.t().contiguous(),  # [d_model, 3·H·D + H + 2·D]
                 conv=self.conv1d.weight[:, 0].t().contiguous(),  # [conv_size, 3·H·D]
                 f_b=gate.f_b_proj.weight.t().contiguous(),  # [D, H·D]
@@ -197,5 +202,10 @@ class KimiDeltaAttention(DeltaNet):
                 g_b_bias=self.g_b_proj.bias,
                 o=self.o_proj.weight.t().contiguous(),  # [H·D, d_model]
             )
+            if torch.is_grad_enabled():  # (autograd: the PyTorch step, nothing to bind)
+                return w
+            return w._replace(native=kda_step_weights(
+                w.conv, w.f_b, w.A_log, w.dt_bias, w.g_b, w.g_b_bias, self.o_norm.weight,
+                self.o_norm.eps, self.head_dim**-0.5))
 
         return decode_layout(self, make)

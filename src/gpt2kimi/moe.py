@@ -34,8 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpt2kimi.backbone import SwiGLU, is_decode_step, swiglu
+from gpt2kimi.backbone import SwiGLU, decode_layout, is_decode_step, swiglu
 from gpt2kimi.configs import MoEConfig
+from gpt2kimi.ops.native import (
+    NativeWeights,
+    fused_moe_decode_step,
+    moe_step_weights,
+    native_available,
+)
 
 # ----------------------------------------------------------------------------------------------
 # routing
@@ -216,14 +222,43 @@ class MoE(nn.Module):
         if x.shape[-1] != self.config.d_model:
             raise ValueError(f"expected [..., d_model={self.config.d_model}], got {tuple(x.shape)}")
         flat = x.reshape(-1, x.shape[-1])
-        routing = self.gate(flat)
-        y = self.experts(flat, routing)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(flat)
+        fused = self.fused_step(flat) if is_decode_step(x) and not self.training else None
+        if fused is not None:  # a decoded token: the same layer in one compiled call
+            y, routing = fused
+        else:
+            routing = self.gate(flat)
+            y = self.experts(flat, routing)
+            if self.shared_experts is not None:
+                y = y + self.shared_experts(flat)
         self.last_routing = routing
         if self.training:
             self.load += routing.tokens_per_expert
         return y.view(x.shape)
+
+    def fused_step(self, x: Tensor) -> tuple[Tensor, Routing] | None:
+        """The layer for a few decoded tokens x [N, d] in one compiled C call
+        (:func:`~gpt2kimi.ops.native.fused_moe_decode_step`, tested equal to :meth:`forward`'s
+        PyTorch path): ``(y [N, d], the routing)``, or None where that does not apply: no C
+        compiler, gradients on, group-limited routing, not fp32 on the CPU. About twenty-five
+        calls per token become one."""
+        if self.config.n_group > 1 or torch.is_grad_enabled() or not native_available():
+            return None
+        weights = decode_layout(self, self._step_weights)  # checked once, not per token
+        fused = None if weights is None else fused_moe_decode_step(
+            x, self.gate.e_score_correction_bias, weights)
+        if fused is None:
+            return None
+        y, scores, experts, chosen, tokens_per_expert = fused
+        return y, Routing(experts, chosen, scores, tokens_per_expert)
+
+    def _step_weights(self) -> NativeWeights | None:
+        c, shared = self.config, self.shared_experts
+        return moe_step_weights(
+            self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj,
+            None if shared is None else (shared.gate_proj.weight, shared.up_proj.weight,
+                                         shared.down_proj.weight),
+            top_k=c.top_k, softmax=c.router == "softmax", norm_topk_prob=c.norm_topk_prob,
+            scaling=c.routed_scaling_factor)
 
     def aux_loss(self) -> Tensor:
         """Switch Transformer's balance loss ``E · Σ f_i P_i`` of the last forward pass."""

@@ -1,15 +1,18 @@
-"""Compiled C for a decoded token of KDA, where PyTorch's per-call cost outweighs the arithmetic.
+"""Compiled C for a decoded token, where PyTorch's per-call cost outweighs the arithmetic.
 
 A decode step of a small KDA layer makes about fifty PyTorch calls over a few thousand numbers,
-and each call costs microseconds of dispatch whatever it computes. On a GPU, fla fuses such a
-step into one Triton kernel; on a CPU the same fusion is a C loop. :func:`fused_kda_decode_step`
-runs ``csrc/kda_step.c``: :meth:`~gpt2kimi.kda.KimiDeltaAttention.step`'s arithmetic from the
-projected token on, in one call, tested equal to it (``tests/test_native.py``).
+and a small MoE layer about twenty-five over the few experts a token chose; each call costs
+microseconds of dispatch whatever it computes. On a GPU, fla fuses such a step into one Triton
+kernel; on a CPU the same fusion is a C loop. :func:`fused_kda_decode_step` runs
+``csrc/kda_step.c``, :meth:`~gpt2kimi.kda.KimiDeltaAttention.step`'s arithmetic from the
+projected token on, and :func:`fused_moe_decode_step` runs ``csrc/moe_step.c``, a
+:class:`~gpt2kimi.moe.MoE` layer from router to output; each in one call, tested equal to the
+PyTorch it replaces (``tests/test_native.py``).
 
-The C file is compiled once per machine with the system's C compiler (``cc``, or ``$CC``) into
+The C files are compiled once per machine with the system's C compiler (``cc``, or ``$CC``) into
 ``$GPT2KIMI_CACHE`` (default ``~/.cache/gpt2kimi``) and loaded with ``ctypes``: no build step, no
 PyTorch headers. Where there is no compiler, or ``GPT2KIMI_NATIVE=0``, :func:`native_available`
-is False and the layer runs its PyTorch step instead.
+is False and the layers run their PyTorch steps instead.
 """
 
 from __future__ import annotations
@@ -21,12 +24,16 @@ import hashlib
 import os
 import platform
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-SOURCE = Path(__file__).with_name("csrc") / "kda_step.c"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("kda_step.c", "moe_step.c"))
+# -fopenmp-simd: the dot products' `#pragma omp simd` vectorizes them (no OpenMP runtime); the
+# last set is for a compiler that knows neither flag
+FLAGS = (["-O3", "-march=native", "-fopenmp-simd"], ["-O3", "-fopenmp-simd"], ["-O3"])
 
 
 def _cache_dir() -> Path:
@@ -49,14 +56,15 @@ def _machine() -> str:
 
 
 def _build(path: Path) -> bool:
-    """Compile :data:`SOURCE` into ``path``, for this CPU if the compiler can, else generic."""
+    """Compile :data:`SOURCES` into ``path``, for this CPU if the compiler can, else generic."""
     compiler = os.environ.get("CC", "cc")
     partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    for flags in (["-O3", "-march=native"], ["-O3"]):
+    for flags in FLAGS:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)  # (a read-only home: no C step)
             subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(partial),
-                            str(SOURCE), "-lm"], check=True, capture_output=True, timeout=300)
+                            *map(str, SOURCES), "-lm"], check=True, capture_output=True,
+                           timeout=300)
             os.replace(partial, path)  # whole or not at all, should two processes build it
         except (OSError, subprocess.SubprocessError):
             with contextlib.suppress(OSError):
@@ -66,81 +74,201 @@ def _build(path: Path) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class Kernels:
+    """The compiled functions, with their argument types declared."""
+
+    kda_decode_step: ctypes._CFuncPtr
+    moe_decode_step: ctypes._CFuncPtr
+
+
 @functools.cache
-def _kernel() -> ctypes._CFuncPtr | None:
-    """The compiled ``kda_decode_step``, built at the first call (about a second), or None."""
+def _kernel() -> Kernels | None:
+    """The compiled steps, built at the first call (a second or two), or None."""
     if os.environ.get("GPT2KIMI_NATIVE", "1") == "0":
         return None
     # built for this CPU's instructions (-march=native), so the file is named by the CPU too
-    key = hashlib.sha256(SOURCE.read_bytes() + _machine().encode()).hexdigest()[:16]
-    path = _cache_dir() / f"kda_step-{key}.so"
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES)
+                         + (repr(FLAGS) + _machine()).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"steps-{key}.so"
     if not path.exists() and not _build(path):
         return None
-    kernel = ctypes.CDLL(str(path)).kda_decode_step
-    kernel.restype = None
-    kernel.argtypes = ([ctypes.c_int] * 4 + [ctypes.c_void_p] * 9 + [ctypes.c_float] * 2
-                       + [ctypes.c_void_p] * 5)
-    return kernel
-
-
-_ARGUMENTS = ("h", "conv", "conv_w", "f_b", "A_log", "dt_bias", "g_b", "g_b_bias", "norm_w",
-              "memory")
-
-
-def _expected_shapes(B: int, H: int, D: int, C: int) -> dict[str, tuple[int, ...]]:
-    N = 3 * H * D
-    return {"h": (B, N + H + 2 * D), "conv": (B, C - 1, N), "conv_w": (C, N), "f_b": (D, H * D),
-            "A_log": (H, 1), "dt_bias": (H, D), "g_b": (D, H * D), "g_b_bias": (H * D,),
-            "norm_w": (D,), "memory": (B, H, D, D)}
+    library, ptr, i32 = ctypes.CDLL(str(path)), ctypes.c_void_p, ctypes.c_int
+    kda, moe = library.kda_decode_step, library.moe_decode_step
+    kda.restype = moe.restype = None
+    kda.argtypes = [ctypes.POINTER(_KDAWeights), i32] + [ptr] * 6
+    moe.argtypes = [ctypes.POINTER(_MoEWeights), i32] + [ptr] * 7
+    return Kernels(kda, moe)
 
 
 def native_available() -> bool:
-    """Whether the C step is built and loaded (it is built at the first call)."""
+    """Whether the C steps are built and loaded (they are built at the first call)."""
     return _kernel() is not None
 
 
+class _KDAWeights(ctypes.Structure):
+    """``kda_weights`` of ``csrc/kda_step.c``: a layer's shape and weight pointers."""
+
+    _fields_ = ([(name, ctypes.c_int) for name in ("H", "D", "C")]
+                + [(name, ctypes.c_float) for name in ("norm_eps", "scale")]
+                + [(name, ctypes.c_void_p) for name in ("conv_w", "f_b", "A_log", "dt_bias",
+                                                         "g_b", "g_b_bias", "norm_w")])
+
+
+@dataclass(frozen=True)
+class NativeWeights:
+    """A layer's weights checked and bound for its C step once (:func:`kda_step_weights`,
+    :func:`moe_step_weights`); the tensors are kept, so that the addresses it reads stay
+    theirs."""
+
+    bound: ctypes.Structure
+    tensors: tuple[Tensor, ...]
+
+
+def _usable(tensors: tuple[Tensor, ...]) -> bool:
+    """Whether the C steps can read these as they are: contiguous fp32 on the CPU."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+               for t in tensors)
+
+
+def _check_shapes(function: str, got: dict[str, Tensor | None],
+                  expected: dict[str, tuple[int, ...]], note: str) -> None:
+    """The C loops trust their shapes: a mismatch would read past an array, so it is an error."""
+    if any(t is not None and t.shape != expected[name] for name, t in got.items()):
+        shapes = {name: tuple(t.shape) for name, t in got.items() if t is not None}
+        wanted = {name: expected[name] for name in shapes}
+        raise ValueError(f"{function}: shapes {shapes} do not fit one another; expected "
+                         f"{wanted} ({note})")
+
+
+def kda_step_weights(
+    conv_w: Tensor, f_b: Tensor, A_log: Tensor, dt_bias: Tensor, g_b: Tensor,
+    g_b_bias: Tensor | None, norm_w: Tensor, norm_eps: float, scale: float,
+) -> NativeWeights | None:
+    """Check a KDA layer's step weights once and bind them for :func:`fused_kda_decode_step`.
+
+    conv_w [C, 3·H·D] the short convolution's kernel; f_b, g_b [D, H·D] (g_b_bias [H·D] or
+    None), A_log [H, 1], dt_bias [H, D]: the gates; norm_w [D] and norm_eps: the output
+    RMSNorm; scale: the read's scale. None where the C step cannot read them: anything but
+    contiguous fp32 on the CPU.
+    """
+    tensors = (conv_w, f_b, A_log, dt_bias, g_b, norm_w) + (() if g_b_bias is None else (g_b_bias,))
+    if not _usable(tensors):
+        return None
+    C, H, D = len(conv_w), len(A_log), len(norm_w)
+    _check_shapes("kda_step_weights", {
+        "conv_w": conv_w, "f_b": f_b, "A_log": A_log, "dt_bias": dt_bias, "g_b": g_b,
+        "g_b_bias": g_b_bias, "norm_w": norm_w,
+    }, {"conv_w": (max(C, 2), 3 * H * D), "f_b": (D, H * D), "A_log": (H, 1),
+        "dt_bias": (H, D), "g_b": (D, H * D), "g_b_bias": (H * D,), "norm_w": (D,)},
+        "A_log [H, 1], norm_w [D], a kernel of two taps or more")
+    pointers = [t.data_ptr() for t in (conv_w, f_b, A_log, dt_bias, g_b)]
+    bound = _KDAWeights(H, D, C, norm_eps, scale, *pointers,
+                        None if g_b_bias is None else g_b_bias.data_ptr(), norm_w.data_ptr())
+    return NativeWeights(bound, tensors)
+
+
 def fused_kda_decode_step(
-    h: Tensor, conv: Tensor, conv_w: Tensor, f_b: Tensor, A_log: Tensor, dt_bias: Tensor,
-    g_b: Tensor, g_b_bias: Tensor | None, norm_w: Tensor, norm_eps: float, scale: float,
-    memory: Tensor,
+    h: Tensor, conv: Tensor, memory: Tensor, weights: NativeWeights
 ) -> tuple[Tensor, Tensor, Tensor] | None:
-    """One decoded token of a KDA layer from its projected token on, in one C call.
+    """One decoded token of a KDA layer from its projected token on, in one C call, with the
+    layer's weights as :func:`kda_step_weights` bound them.
 
     h [B, 3·H·D + H + 2·D]: the token through the stacked projections (q, k, v, β, the forget
-    gate's and the output gate's low-rank halves); conv [B, C − 1, 3·H·D] the convolution's last
-    inputs and conv_w [C, 3·H·D] its kernel; f_b, g_b [D, H·D] (g_b_bias [H·D] or None),
-    A_log [H, 1], dt_bias [H, D]: the gates; norm_w [D] and norm_eps: the output RMSNorm;
-    memory [B, H, D, D] (read, never written).
+    gate's and the output gate's low-rank halves); conv [B, C − 1, 3·H·D] the convolution's
+    last inputs; memory [B, H, D, D] (read, never written).
 
     Returns ``(out [B, H·D], the new memory, the new convolution inputs)``, out being
     ``RMSNorm(o) · sigmoid(gate)`` before the output projection; or None where the C step does
-    not apply: not built, gradients on, or anything but contiguous fp32 on the CPU.
+    not apply: not built, gradients on, or anything but fp32 on the CPU.
     """
-    kernel = _kernel()
-    if kernel is None or torch.is_grad_enabled():
+    kernels = _kernel()
+    if kernels is None or torch.is_grad_enabled() or not all(
+            t.dtype == torch.float32 and t.device.type == "cpu" for t in (h, conv, memory)):
         return None
-    weights = (conv_w, f_b, A_log, dt_bias, g_b, norm_w) + (() if g_b_bias is None else (g_b_bias,))
-    if any(t.dtype != torch.float32 or t.device.type != "cpu"
-           for t in (h, conv, memory, *weights)) or not all(t.is_contiguous() for t in weights):
-        return None
+    w = weights.bound
+    B, H, D, C = len(memory), w.H, w.D, w.C
+    N = 3 * H * D
+    _check_shapes("fused_kda_decode_step", {"h": h, "conv": conv, "memory": memory},
+                  {"h": (B, N + H + 2 * D), "conv": (B, C - 1, N), "memory": (B, H, D, D)},
+                  f"the layer's H={H}, D={D}, conv_size={C}")
     # a state straight from a prompt's chunk form may be a view: the loop reads it whole
-    conv, memory = conv.contiguous(), memory.contiguous()
-    B, H, D, _ = memory.shape
-    C, N = conv_w.shape[0], 3 * H * D
-    # the C loop trusts these shapes: a mismatch would read past an array, so it is an error
-    if not (h.shape == (B, N + H + 2 * D) and conv.shape == (B, C - 1, N) and C >= 2
-            and conv_w.shape == (C, N) and f_b.shape == g_b.shape == (D, H * D)
-            and A_log.shape == (H, 1) and dt_bias.shape == (H, D) and norm_w.shape == (D,)
-            and memory.shape == (B, H, D, D) and (g_b_bias is None or g_b_bias.shape == (H * D,))):
-        got = {name: tuple(t.shape) for name, t in zip(_ARGUMENTS, (h, conv, conv_w, f_b, A_log,
-               dt_bias, g_b, g_b_bias, norm_w, memory), strict=True) if t is not None}
-        raise ValueError(f"fused_kda_decode_step: shapes {got} do not fit one another; expected "
-                         f"{_expected_shapes(B, H, D, C)} (memory [B, H, D, D], conv_w [C, ·])")
-    new_memory, new_conv = torch.empty_like(memory), torch.empty_like(conv)
-    out, work = h.new_empty(B, H * D), h.new_empty(N + 3 * H * D)
-    kernel(B, H, D, C, h.data_ptr(), conv.data_ptr(), conv_w.data_ptr(), f_b.data_ptr(),
-           A_log.data_ptr(), dt_bias.data_ptr(), g_b.data_ptr(),
-           None if g_b_bias is None else g_b_bias.data_ptr(), norm_w.data_ptr(),
-           norm_eps, scale, memory.data_ptr(), new_memory.data_ptr(), new_conv.data_ptr(),
-           out.data_ptr(), work.data_ptr())
+    h, conv, memory = h.contiguous(), conv.contiguous(), memory.contiguous()
+    new_memory, new_conv, out = torch.empty_like(memory), torch.empty_like(conv), h.new_empty(
+        B, H * D)
+    kernels.kda_decode_step(w, B, h.data_ptr(), conv.data_ptr(), memory.data_ptr(),
+                            new_memory.data_ptr(), new_conv.data_ptr(), out.data_ptr())
     return out, new_memory, new_conv
+
+
+class _MoEWeights(ctypes.Structure):
+    """``moe_weights`` of ``csrc/moe_step.c``: a layer's shape, routing and weight pointers."""
+
+    _fields_ = ([(name, ctypes.c_int) for name in ("d", "E", "k", "I", "Is", "softmax",
+                                                   "norm_topk")]
+                + [("scaling", ctypes.c_float)]
+                + [(name, ctypes.c_void_p) for name in ("router", "gate_up", "down", "s_gate",
+                                                         "s_up", "s_down")])
+
+
+def moe_step_weights(
+    router: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
+    shared: tuple[Tensor, Tensor, Tensor] | None, *, top_k: int, softmax: bool,
+    norm_topk_prob: bool, scaling: float,
+) -> NativeWeights | None:
+    """Check an MoE layer's weights once and bind them for :func:`fused_moe_decode_step`.
+
+    router [E, d]: scores by a sigmoid per expert or (``softmax``) a softmax, ``top_k``
+    chosen by score + bias, their scores divided by their sum if ``norm_topk_prob``, then
+    times ``scaling``; gate_up_proj [E, 2I, d] and down_proj [E, d, I]: the experts; shared:
+    the shared expert's gate and up [Is, d] and down [d, Is] weights, or None.
+
+    None where the C step does not apply: anything but contiguous fp32 on the CPU.
+    """
+    tensors = (router, gate_up_proj, down_proj, *(shared or ()))
+    if not _usable(tensors):
+        return None
+    E, d, I = len(gate_up_proj), router.shape[-1], gate_up_proj.shape[1] // 2
+    Is = 0 if shared is None else len(shared[0])
+    if not 1 <= top_k <= E:
+        raise ValueError(f"moe_step_weights: top_k={top_k} must be between 1 and E={E}")
+    expected = {"router": (E, d), "gate_up_proj": (E, 2 * I, d), "down_proj": (E, d, I),
+                "shared gate": (Is, d), "shared up": (Is, d), "shared down": (d, Is)}
+    _check_shapes("moe_step_weights",
+                  dict(zip(expected, (*tensors, *(() if shared else [None] * 3)), strict=True)),
+                  expected, "gate_up_proj [E, 2I, d]")
+    pointers = [t.data_ptr() for t in tensors] + [None] * (3 - len(shared or ()))
+    bound = _MoEWeights(d, E, top_k, I, Is, int(softmax), int(norm_topk_prob), scaling,
+                        *pointers)
+    return NativeWeights(bound, tensors)
+
+
+def fused_moe_decode_step(
+    x: Tensor, bias: Tensor | None, weights: NativeWeights
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:
+    """A few decoded tokens x [N, d] through an MoE layer (:class:`~gpt2kimi.moe.MoE`) whose
+    weights :func:`moe_step_weights` bound, in one C call; bias [E] (or None) the router's
+    selection bias, read at each call (balancing moves it).
+
+    Returns ``(y [N, d], scores [N, E], experts [N, k], weights [N, k], tokens_per_expert
+    [E])`` (the last two int64, as :class:`~gpt2kimi.moe.Routing` holds them); or None where
+    the C step does not apply: not built, gradients on, x not fp32 on the CPU.
+    """
+    kernels = _kernel()
+    if kernels is None or torch.is_grad_enabled() or x.dtype != torch.float32 or (
+            x.device.type != "cpu"):
+        return None
+    w = weights.bound
+    N, E, k = len(x), w.E, w.k
+    if x.shape != (N, w.d) or bias is not None and (
+            bias.shape != (E,) or bias.dtype != torch.float32 or bias.device.type != "cpu"):
+        raise ValueError(f"fused_moe_decode_step: expected x [N, d={w.d}] and an fp32 bias "
+                         f"[E={E}] on the CPU, got x {tuple(x.shape)} and bias "
+                         f"{None if bias is None else (tuple(bias.shape), bias.dtype)}")
+    x, bias = x.contiguous(), None if bias is None else bias.contiguous()
+    y, scores, chosen = x.new_empty(N, w.d), x.new_empty(N, E), x.new_empty(N, k)
+    experts, per_expert = torch.empty(N, k, dtype=torch.int64), torch.empty(E, dtype=torch.int64)
+    kernels.moe_decode_step(
+        w, N, x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+        scores.data_ptr(), experts.data_ptr(), chosen.data_ptr(), per_expert.data_ptr())
+    return y, scores, experts, chosen, per_expert

@@ -16,26 +16,35 @@ static float softplusf_(float x) {  /* as torch.nn.functional.softplus: linear a
     return x > 20.0f ? x : log1pf(expf(x));
 }
 
-/*
- * B sequences, H heads of D channels, conv_size C; N = 3 * H * D (q, k and v side by side).
+/* A layer's shape and weights, bound once (gpt2kimi/ops/native.py: kda_step_weights).
  *
+ * H heads of D channels, conv_size C; N = 3 * H * D (q, k and v side by side).
+ * conv_w   [C, N]       the convolution's kernel, oldest input first
+ * f_b      [D, H * D]   the forget gate's up-projection, A_log [H], dt_bias [H * D]
+ * g_b      [D, H * D]   the output gate's up-projection, g_b_bias [H * D] or NULL
+ * norm_w   [D]          the output RMSNorm's weight, norm_eps its epsilon; scale: D^-1/2
+ */
+typedef struct {
+    int H, D, C;
+    float norm_eps, scale;
+    const float *conv_w, *f_b, *A_log, *dt_bias, *g_b, *g_b_bias, *norm_w;
+} kda_weights;
+
+/*
+ * B sequences.
  * h        [B, N + H + 2D]  the projected token: q, k, v | beta | forget gate's f_a | gate's g_a
  * conv     [B, C - 1, N]    the convolution's last inputs          -> new_conv [B, C - 1, N]
- * conv_w   [C, N]           its kernel, oldest input first
- * f_b      [D, H * D]       the forget gate's up-projection, A_log [H], dt_bias [H * D]
- * g_b      [D, H * D]       the output gate's up-projection, g_b_bias [H * D] or NULL
- * norm_w   [D]              the output RMSNorm's weight, norm_eps its epsilon
  * memory   [B, H, D, D]     S, rows by key channel                 -> new_memory
  * out      [B, H * D]       RMSNorm(o) * sigmoid(gate), ready for the output projection
- * work     [N + 3 * H * D]  scratch
  */
-void kda_decode_step(int B, int H, int D, int C, const float *h, const float *conv,
-                     const float *conv_w, const float *f_b, const float *A_log,
-                     const float *dt_bias, const float *g_b, const float *g_b_bias,
-                     const float *norm_w, float norm_eps, float scale, const float *memory,
-                     float *new_memory, float *new_conv, float *out, float *work) {
+void kda_decode_step(const kda_weights *w, int B, const float *h, const float *conv,
+                     const float *memory, float *new_memory, float *new_conv, float *out) {
+    const int H = w->H, D = w->D, C = w->C;
+    const float *conv_w = w->conv_w, *f_b = w->f_b, *A_log = w->A_log, *dt_bias = w->dt_bias,
+                *g_b = w->g_b, *g_b_bias = w->g_b_bias, *norm_w = w->norm_w;
+    const float norm_eps = w->norm_eps, scale = w->scale;
     const int HD = H * D, N = 3 * HD, width = N + H + 2 * D;
-    float *qkv = work, *g = work + N, *gate = work + N + HD, *o = work + N + 2 * HD;
+    float qkv[N], g[HD], gate[HD], o[HD];
     for (int b = 0; b < B; b++) {
         const float *hb = h + (size_t)b * width;
         const float *cb = conv + (size_t)b * (C - 1) * N;
