@@ -138,15 +138,15 @@ def test_summary_measures_every_row_and_indents_the_rows_without_targets():
     assert len(bytes_rows) == 2 and bytes_rows[0].ratio < bytes_rows[1].ratio  # longer: more
 
 
-def test_pytorch_kda_step_turns_the_c_step_off_and_back_on(monkeypatch):
+def test_without_c_steps_turns_the_c_steps_off_and_back_on(monkeypatch):
     import os
 
-    from gpt2kimi.experiments.hybrid_speed import pytorch_kda_step
+    from gpt2kimi.experiments.hybrid_speed import without_c_steps
     from gpt2kimi.ops import native
 
     monkeypatch.delenv("GPT2KIMI_NATIVE", raising=False)
     native._kernel.cache_clear()
     before = native.native_available()  # False only where there is no C compiler
-    with pytorch_kda_step():
+    with without_c_steps():
         assert not native.native_available()
     assert native.native_available() == before and "GPT2KIMI_NATIVE" not in os.environ

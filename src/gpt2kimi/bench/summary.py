@@ -12,8 +12,8 @@ Rows (each measured side by side in interleaved rounds, on the same weights):
   the library's lead can be;
 - the tiny hybrid's greedy generation against ``transformers``' ``KimiLinearForCausalLM``
   (a 256-token prompt included), :func:`gpt2kimi.experiments.hybrid_speed.against_transformers`,
-  again with KDA's PyTorch decode step instead of the compiled C one
-  (:func:`~gpt2kimi.experiments.hybrid_speed.pytorch_kda_step`), beside the same generation
+  again with KDA's and MoE's PyTorch decode code instead of their compiled C steps
+  (:func:`~gpt2kimi.experiments.hybrid_speed.without_c_steps`), beside the same generation
   with every width cut to 8
   (:func:`~gpt2kimi.experiments.hybrid_speed.at_width`: the same operator calls, next to no
   arithmetic), the floor these calls set, then its two parts, the prompt's prefill and one
@@ -50,9 +50,9 @@ from gpt2kimi.experiments.hybrid_speed import (
     build_models,
     decode_sweep,
     prefill_and_step,
-    pytorch_kda_step,
     step_operations,
     transformers_step_operations,
+    without_c_steps,
 )
 from gpt2kimi.experiments.moe_speed import moe_speed
 from gpt2kimi.experiments.reference_speed import gpt2_decode, gpt2_train_step
@@ -104,11 +104,11 @@ def rows(rounds: int = 3, quick: bool = False) -> list[Row]:
     out.append(Row("hybrid generate vs transformers KimiLinearForCausalLM",
                    _ms(gen["ours_s"]), _ms(gen["transformers_s"]),
                    gen["transformers_s"] / gen["ours_s"], 3.0))
-    # what the compiled KDA step saves: the same generation with KDA's PyTorch step
-    with pytorch_kda_step():
+    # what the compiled C steps save: the same generation with KDA's and MoE's PyTorch code
+    with without_c_steps():
         eager = against_transformers(prompt_len=32 if quick else 256,
                                      new_tokens=8 if quick else 32, rounds=rounds)
-    out.append(Row("  the same with KDA's PyTorch step (as without a C compiler)",
+    out.append(Row("  the same with the PyTorch steps (as without a C compiler)",
                    _ms(eager["ours_s"]), _ms(eager["transformers_s"]),
                    eager["transformers_s"] / eager["ours_s"], None))
     # its calls' own cost: the same model at width 8 makes the same operator calls with next to

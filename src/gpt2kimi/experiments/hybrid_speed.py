@@ -13,8 +13,8 @@ this library and with ``transformers``' ``KimiLinearForCausalLM`` on the same we
 that its model makes the same calls with next to no arithmetic in them
 (:func:`step_against_floor` times a step beside both floors, side by side, and
 :func:`against_transformers` a generation beside its narrow twin's).
-Within :func:`pytorch_kda_step`, KDA layers decode with their PyTorch step, as they do where
-there is no C compiler. ``python -m gpt2kimi.bench hybrid`` prints both timings.
+Within :func:`without_c_steps`, KDA and MoE layers decode with their PyTorch code, as they do
+where there is no C compiler. ``python -m gpt2kimi.bench hybrid`` prints both timings.
 """
 
 from __future__ import annotations
@@ -236,10 +236,11 @@ def _transformers_hybrid(config: HybridConfig) -> nn.Module:
 
 
 @contextmanager
-def pytorch_kda_step() -> Iterator[None]:
-    """Within it, every KDA layer decodes with its PyTorch step (fifty-odd calls,
-    :meth:`~gpt2kimi.kda.KimiDeltaAttention.step`) instead of the compiled C step
-    (:mod:`gpt2kimi.ops.native`), as where there is no C compiler: what the C step saves."""
+def without_c_steps() -> Iterator[None]:
+    """Within it, every KDA and MoE layer decodes with its PyTorch code (fifty-odd calls in
+    :meth:`~gpt2kimi.kda.KimiDeltaAttention.step`, some twenty-five in an MoE layer) instead of
+    the compiled C steps (:mod:`gpt2kimi.ops.native`), as where there is no C compiler: what
+    the C steps save."""
     saved = os.environ.get("GPT2KIMI_NATIVE")
     os.environ["GPT2KIMI_NATIVE"] = "0"
     native._kernel.cache_clear()  # read the setting again
