@@ -46,6 +46,24 @@ def test_fused_step_equals_the_pytorch_step(d_model, n_head, head_dim, batch, bi
 
 
 @needs_compiler
+def test_fused_step_equals_the_pytorch_step_at_saturating_inputs():
+    """Tokens a thousand times too large: gates at 0 and 1, decays that underflow, where the C
+    step's own exponential must still agree with PyTorch's."""
+    layer, state = layer_after_prompt(32, 2, 16, 2, True)
+    with torch.no_grad():
+        layer.forget_gate.A_log.fill_(3.0)  # decays of e^(-20 softplus(.)): far below fp32's range
+    x = 1000 * torch.randn(2, 1, 32)
+    with torch.inference_mode():
+        for _ in range(3):
+            y_ref, ref = layer.step(x, state)
+            y, new = layer.fused_step(x, state)
+            assert torch.isfinite(y).all()
+            assert torch.allclose(y, y_ref, atol=1e-5, rtol=1e-5)
+            assert torch.allclose(new.memory, ref.memory, atol=1e-5, rtol=1e-5)
+            state = new
+
+
+@needs_compiler
 def test_fused_step_reads_the_state_without_writing_it():
     layer, state = layer_after_prompt(32, 2, 16, 2, False)
     memory, conv = state.memory.clone(), state.conv.clone()
