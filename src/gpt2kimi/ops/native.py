@@ -1,7 +1,7 @@
 """Compiled C for a decoded token, where PyTorch's per-call cost outweighs the arithmetic.
 
 A decode step of a small KDA layer makes about fifty PyTorch calls over a few thousand numbers,
-and a small MoE layer about twenty-five over the few experts a token chose; each call costs
+and a small MoE layer about forty over the few experts a token chose; each call costs
 microseconds of dispatch whatever it computes. On a GPU, fla fuses such a step into one Triton
 kernel; on a CPU the same fusion is a C loop. :func:`fused_kda_decode_step` runs
 ``csrc/kda_step.c``, :meth:`~gpt2kimi.kda.KimiDeltaAttention.step`'s arithmetic from the

@@ -3,7 +3,7 @@
  * The same arithmetic as MoE.forward (gpt2kimi/moe.py) for a handful of tokens: the router's
  * scores, the top-k choice by score + bias, the chosen weights, each chosen expert's SwiGLU
  * scaled by its weight, and the shared expert. At decode time the PyTorch layer makes about
- * twenty-five calls per token over a few hundred thousand weights, each costing microseconds of
+ * forty calls per token over a few hundred thousand weights, each costing microseconds of
  * dispatch; here they are loops over the same numbers. Among exactly equal scores the lower
  * expert index is chosen (torch.topk leaves that order open). fp32, C-contiguous arrays, one
  * thread. Built by gpt2kimi/ops/native.py; tested equal to the PyTorch layer.
