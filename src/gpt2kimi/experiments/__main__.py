@@ -136,6 +136,11 @@ def verify_main(argv: list[str]) -> None:
     p.add_argument("--against-recorded-code", action="store_true",
                    help="compare with the runs of the recorded code (from git) on this "
                         "machine, not with the file's numbers; each run runs twice")
+    p.add_argument("--newest-vouching", action="store_true",
+                   help="with --against-recorded-code: compare with the newest code that "
+                        "vouches for the file (its last verification's), not the recording "
+                        "code, where a numerics change neutral on the verifying machines is not "
+                        "neutral on this one")
     p.add_argument("--tolerance", type=float, default=None,
                    help="largest difference allowed in any recorded number (default 1e-4; "
                         "0, numbers equal, with --against-recorded-code)")
@@ -153,7 +158,8 @@ def verify_main(argv: list[str]) -> None:
                 raise SystemExit(f"{path}: no such file; record it with: {entry.command}")
             try:
                 done = verify(get_task(entry.task), path, args.runs, args.tolerance, args.jobs,
-                              baseline=baseline, sources=sources)
+                              baseline=baseline, sources=sources,
+                              newest=args.newest_vouching)
             except (ResultsFileError, VerificationFailed) as error:
                 print(error)
                 failed.append(name)

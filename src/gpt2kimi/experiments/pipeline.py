@@ -736,6 +736,7 @@ def verify(
     *,
     baseline: Literal["file", "code"] = "file",
     sources: CommitSources | None = None,
+    newest: bool = False,
 ) -> dict:
     """Re-run ``runs`` recorded runs of the complete file ``path`` (spread evenly through it,
     the first and the last among them) with today's code, single-threaded as a sweep runs them,
@@ -783,7 +784,7 @@ def verify(
     else:
         tolerance = 0.0 if tolerance is None else tolerance
         with (CommitSources() if sources is None else nullcontext(sources)) as found:
-            origin, pairs = _verify_against_code(task, path, chosen, found, jobs)
+            origin, pairs = _verify_against_code(task, path, chosen, found, jobs, newest)
         against = (f"compared with the code at {origin.commit[:12]} run here; 'recorded' is "
                    "its record")
         extra = {"baseline": origin.line()}
@@ -867,12 +868,13 @@ class RunFailed(RuntimeError):
 
 
 def _verify_against_code(
-    task: Task, path: Path, chosen: list[tuple[int, dict]], found: CommitSources, jobs: int
+    task: Task, path: Path, chosen: list[tuple[int, dict]], found: CommitSources, jobs: int,
+    newest: bool = False,
 ) -> tuple[Baseline, list[tuple[dict, dict]]]:
     """The sources that vouch for ``path`` and, for each chosen run, ``(its record with those
     sources, its record with today's)``, both run here (:func:`verify`, ``baseline="code"``)."""
     lines, _ = _read_lines(path)
-    origin = found.find_vouching(lines)
+    origin = found.find_vouching(lines, newest)
     if origin is None:
         hashes, ast_hashes = _vouching(lines)
         raise BaselineError(
@@ -1077,20 +1079,23 @@ class CommitSources:
             self._drop(commit)  # its hash is kept; a full history on disk would be large
         return None
 
-    def find_vouching(self, lines: list[dict]) -> Baseline | None:
+    def find_vouching(self, lines: list[dict], newest: bool = False) -> Baseline | None:
         """Sources in git that vouch for the results file of these ``lines``: the first commit
         whose sources give, for the modules of a code that vouches for it (its header's, its
         verifications'), one of the file's vouching hashes (:func:`_vouching`): a code hash
         (the same bytes) or else an AST hash (the same code but for docstrings and comments).
 
         The commits the file names come first (where it was recorded, verified and rehashed,
-        in that order), then HEAD's history, newest first. None if no commit's sources vouch.
+        in that order; with ``newest``, the other way round), then HEAD's history, newest
+        first. None if no commit's sources vouch.
         """
         hashes, ast_hashes = _vouching(lines)
         codes = _vouching_codes(lines)
         modules = list({(tuple(c["modules"]), tuple(c["shallow"])): c for c in codes}.values())
         named = [c.get("commit") for c in codes] + [
             line["rehashed"].get("commit") for line in lines[1:] if "rehashed" in line]
+        if newest:
+            named.reverse()
         for commit in dict.fromkeys([c for c in named if c] + self.history()):
             for code in modules:
                 raw = self.hash_at(commit, code)
