@@ -1085,17 +1085,15 @@ class CommitSources:
         verifications'), one of the file's vouching hashes (:func:`_vouching`): a code hash
         (the same bytes) or else an AST hash (the same code but for docstrings and comments).
 
-        The commits the file names come first (where it was recorded, verified and rehashed,
-        in that order; with ``newest``, the other way round), then HEAD's history, newest
+        The commits the file names come first (where it was recorded, then verified, oldest
+        first or with ``newest`` newest first, then rehashed), then HEAD's history, newest
         first. None if no commit's sources vouch.
         """
         hashes, ast_hashes = _vouching(lines)
         codes = _vouching_codes(lines)
         modules = list({(tuple(c["modules"]), tuple(c["shallow"])): c for c in codes}.values())
-        named = [c.get("commit") for c in codes] + [
+        named = [c.get("commit") for c in (codes[::-1] if newest else codes)] + [
             line["rehashed"].get("commit") for line in lines[1:] if "rehashed" in line]
-        if newest:
-            named.reverse()
         for commit in dict.fromkeys([c for c in named if c] + self.history()):
             for code in modules:
                 raw = self.hash_at(commit, code)
