@@ -729,17 +729,20 @@ def test_the_verify_command_passes_the_baseline(tmp_path, monkeypatch, capsys):
     (tmp_path / "tiny.jsonl").write_text("")
     calls = []
 
-    def fake_verify(task, path, runs, tolerance, jobs, *, baseline, sources):
-        calls.append((task.name, runs, tolerance, jobs, baseline))
+    def fake_verify(task, path, runs, tolerance, jobs, *, baseline, sources, newest):
+        calls.append((task.name, runs, tolerance, jobs, baseline, newest))
         return {"runs": [{}], "code": {"hash": "a" * 64}, "baseline": {"commit": "b" * 40}}
 
     monkeypatch.setattr(cli, "verify", fake_verify)
     main(["verify", "tiny", "--against-recorded-code", "--runs", "1", "--jobs", "1",
           "--data", str(tmp_path)])
-    assert calls == [("mqar", 1, None, 1, "code")]
+    assert calls == [("mqar", 1, None, 1, "code", False)]
     assert "as the code at bbbbbbbbbbbb does here; current" in capsys.readouterr().out
     main(["verify", "tiny", "--tolerance", "0.01", "--data", str(tmp_path)])
-    assert calls[-1] == ("mqar", 2, 0.01, 2, "file")
+    assert calls[-1] == ("mqar", 2, 0.01, 2, "file", False)
+    main(["verify", "tiny", "--against-recorded-code", "--newest-vouching", "--data",
+          str(tmp_path)])
+    assert calls[-1] == ("mqar", 2, None, 2, "code", True)
 
 
 def test_code_form_reads_fstring_parts_without_empty_strings():
@@ -780,3 +783,20 @@ def test_every_results_file_records_within_the_hour_on_two_cores():
         assert entry.minutes <= 60, entry.name
         measured = measured_minutes(DATA / entry.path)
         assert measured is not None and measured <= 60, (entry.name, measured)
+
+
+def test_find_vouching_takes_the_newest_verifying_commit_when_asked():
+    from gpt2kimi.experiments.pipeline import CommitSources
+
+    def code(commit, digest):
+        return {"commit": commit, "hash": digest, "modules": ["m"], "shallow": []}
+
+    lines = [{"code": code("c1", "h1")}, {"verified": {"code": code("c2", "h2")}},
+             {"verified": {"code": code("c3", "h3")}}]
+    sources = CommitSources.__new__(CommitSources)  # git's answers, without git
+    sources.hash_at = lambda commit, c: {"c1": "h1", "c2": "h2", "c3": "h3"}.get(commit)
+    sources.ast_hash_at = lambda commit, c: None
+    sources.history = lambda: []
+    sources._drop = lambda commit: None
+    assert sources.find_vouching(lines).commit == "c1"  # the recording code
+    assert sources.find_vouching(lines, newest=True).commit == "c3"  # the last verification's
