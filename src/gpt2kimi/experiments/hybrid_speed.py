@@ -238,7 +238,7 @@ def _transformers_hybrid(config: HybridConfig) -> nn.Module:
 @contextmanager
 def without_c_steps() -> Iterator[None]:
     """Within it, every KDA and MoE layer decodes with its PyTorch code (fifty-odd calls in
-    :meth:`~gpt2kimi.kda.KimiDeltaAttention.step`, some thirty in an MoE layer) instead of
+    :meth:`~gpt2kimi.kda.KimiDeltaAttention.step`, forty in an MoE layer) instead of
     the compiled C steps (:mod:`gpt2kimi.ops.native`), as where there is no C compiler: what
     the C steps save."""
     saved = os.environ.get("GPT2KIMI_NATIVE")
