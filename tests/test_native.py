@@ -1,13 +1,15 @@
-"""The compiled decode steps (KDA, MoE) equal the PyTorch they replace and say no where they
-must."""
+"""The compiled decode steps (KDA, MoE, RMSNorm) equal the PyTorch they replace and say no where
+they must."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from gpt2kimi import native
+from gpt2kimi.backbone import RMSNorm
 from gpt2kimi.configs import MoEConfig
 from gpt2kimi.kda import KimiDeltaAttention
 from gpt2kimi.moe import MoE
-from gpt2kimi.ops import native
 
 needs_compiler = pytest.mark.skipif(not native.native_available(),
                                     reason="no C compiler: the layer runs its PyTorch step")
@@ -199,3 +201,57 @@ def test_fused_moe_step_names_what_does_not_fit():
     weights = moe._step_weights()
     with torch.no_grad(), pytest.raises(ValueError, match="expected x \\[N, d=128\\]"):
         native.fused_moe_decode_step(torch.randn(1, 64), None, weights)
+
+
+# -- the backbone's RMSNorm ----------------------------------------------------------------------
+
+
+@needs_compiler
+@pytest.mark.parametrize("shape", [(1, 1, 128), (8, 1, 128), (3, 2, 48), (5, 7), (2, 1, 1)])
+def test_fused_rms_norm_equals_pytorchs(shape):
+    torch.manual_seed(0)
+    x, weight = 3 * torch.randn(shape), torch.rand(shape[-1]) + 0.5
+    with torch.no_grad():
+        y = native.fused_rms_norm(x, weight, 1e-5)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    torch.testing.assert_close(y, F.rms_norm(x, weight.shape, weight, 1e-5), rtol=2e-6, atol=1e-6)
+    # a row of zeros is eps's case: no division by zero
+    with torch.no_grad():
+        zeros = native.fused_rms_norm(torch.zeros(shape), weight, 1e-5)
+    assert torch.equal(zeros, torch.zeros(shape))
+
+
+@needs_compiler
+def test_the_backbones_norm_uses_it_at_a_decoded_token_only(monkeypatch):
+    from gpt2kimi import backbone
+
+    calls = []
+
+    def spy(x, weight, eps):
+        calls.append(tuple(x.shape))
+        return native.fused_rms_norm(x, weight, eps)
+
+    monkeypatch.setattr(backbone, "fused_rms_norm", spy)
+    torch.manual_seed(0)
+    norm = RMSNorm(64)
+    step, prompt = torch.randn(4, 1, 64), torch.randn(4, 20, 64)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        torch.testing.assert_close(norm(step), F.rms_norm(step, (64,), norm.weight, norm.eps),
+                                   rtol=2e-6, atol=1e-6)
+        assert calls == [(4, 1, 64)]
+        reference = prompt * torch.rsqrt(prompt.pow(2).mean(-1, keepdim=True) + norm.eps)
+        assert torch.equal(norm(prompt), reference * norm.weight)  # a prompt: PyTorch's
+    norm(step)  # gradients on: PyTorch's
+    assert calls == [(4, 1, 64)]
+
+
+@needs_compiler
+def test_fused_rms_norm_steps_aside_and_names_a_weight_that_does_not_fit():
+    x, weight = torch.randn(2, 1, 16), torch.ones(16)
+    assert native.fused_rms_norm(x, weight, 1e-5) is None  # gradients on: PyTorch's
+    with torch.no_grad():
+        assert native.fused_rms_norm(x.double(), weight.double(), 1e-5) is None  # fp32 only
+        assert native.fused_rms_norm(x.transpose(0, 2), weight[:2], 1e-5) is None  # a view
+        with pytest.raises(ValueError, match="expected a weight of shape \\(16,\\)"):
+            native.fused_rms_norm(x, torch.ones(8), 1e-5)

@@ -141,8 +141,8 @@ def test_summary_measures_every_row_and_indents_the_rows_without_targets():
 def test_without_c_steps_turns_the_c_steps_off_and_back_on(monkeypatch):
     import os
 
+    from gpt2kimi import native
     from gpt2kimi.experiments.hybrid_speed import without_c_steps
-    from gpt2kimi.ops import native
 
     monkeypatch.delenv("GPT2KIMI_NATIVE", raising=False)
     native._kernel.cache_clear()

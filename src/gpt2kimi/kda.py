@@ -23,13 +23,13 @@ from gpt2kimi.backbone import decode_layout
 from gpt2kimi.configs import KDAConfig
 from gpt2kimi.deltanet import DeltaNet, DeltaNetState, l2_normalize
 from gpt2kimi.gated_deltanet import GatedRMSNorm, init_A_log, init_dt_bias, log_decay
-from gpt2kimi.ops import chunk_kda, fused_recurrent_kda_step
-from gpt2kimi.ops.native import (
+from gpt2kimi.native import (
     NativeWeights,
     fused_kda_decode_step,
     kda_step_weights,
     native_available,
 )
+from gpt2kimi.ops import chunk_kda, fused_recurrent_kda_step
 from gpt2kimi.ops.utils import compute_dtype
 
 # ----------------------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ class KimiDeltaAttention(DeltaNet):
         self, x: Tensor, state: DeltaNetState | None
     ) -> tuple[Tensor, DeltaNetState] | None:
         """:meth:`step` with everything between the two projections in one compiled C call
-        (:func:`~gpt2kimi.ops.native.fused_kda_decode_step`, tested equal to it), or None where
+        (:func:`~gpt2kimi.native.fused_kda_decode_step`, tested equal to it), or None where
         that does not apply: no C compiler, gradients on, a fresh sequence, not fp32 on the CPU.
         The same few thousand numbers in one C call and seven PyTorch calls (the projections,
         the outputs' allocations) instead of about fifty."""

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from gpt2kimi.backbone import SwiGLU, decode_layout, is_decode_step, swiglu
 from gpt2kimi.configs import MoEConfig
-from gpt2kimi.ops.native import (
+from gpt2kimi.native import (
     NativeWeights,
     fused_moe_decode_step,
     moe_step_weights,
@@ -237,7 +237,7 @@ class MoE(nn.Module):
 
     def fused_step(self, x: Tensor) -> tuple[Tensor, Routing] | None:
         """The layer for a few decoded tokens x [N, d] in one compiled C call
-        (:func:`~gpt2kimi.ops.native.fused_moe_decode_step`, tested equal to :meth:`forward`'s
+        (:func:`~gpt2kimi.native.fused_moe_decode_step`, tested equal to :meth:`forward`'s
         PyTorch path): ``(y [N, d], the routing)``, or None where that does not apply: no C
         compiler, gradients on, group-limited routing, not fp32 on the CPU. A decoded token's forty
         PyTorch calls become one C call and seven PyTorch calls (the outputs' allocations)."""

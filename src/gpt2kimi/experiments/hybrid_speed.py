@@ -13,8 +13,8 @@ this library and with ``transformers``' ``KimiLinearForCausalLM`` on the same we
 that its model makes the same calls with next to no arithmetic in them
 (:func:`step_against_floor` times a step beside both floors, side by side, and
 :func:`against_transformers` a generation beside its narrow twin's).
-Within :func:`without_c_steps`, KDA and MoE layers decode with their PyTorch code, as they do
-where there is no C compiler. ``python -m gpt2kimi.bench hybrid`` prints both timings.
+Within :func:`without_c_steps`, KDA and MoE layers and norms decode with their PyTorch code, as
+they do where there is no C compiler. ``python -m gpt2kimi.bench hybrid`` prints both timings.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gpt2kimi import native
 from gpt2kimi.attention import SoftmaxAttention
 from gpt2kimi.backbone import LanguageModel
 from gpt2kimi.configs import HybridConfig, KDAConfig, MLAConfig, MoEConfig
@@ -37,7 +38,6 @@ from gpt2kimi.experiments.decoding import fill_cache
 from gpt2kimi.experiments.reference_speed import greedy_runs
 from gpt2kimi.kimi_linear import KimiHybrid, make_ffn, to_hf_state_dict
 from gpt2kimi.kv_cache import generate
-from gpt2kimi.ops import native
 from gpt2kimi.timing import fastest_interleaved, timed
 
 # The book's tiny hybrid: 4 layers, KDA ×3 then MLA, a dense first feed-forward, then experts.
@@ -237,10 +237,10 @@ def _transformers_hybrid(config: HybridConfig) -> nn.Module:
 
 @contextmanager
 def without_c_steps() -> Iterator[None]:
-    """Within it, every KDA and MoE layer decodes with its PyTorch code (fifty-odd calls in
-    :meth:`~gpt2kimi.kda.KimiDeltaAttention.step`, forty in an MoE layer) instead of
-    the compiled C steps (:mod:`gpt2kimi.ops.native`), as where there is no C compiler: what
-    the C steps save."""
+    """Within it, every KDA and MoE layer and every RMSNorm decodes with its PyTorch code
+    (fifty-odd calls in :meth:`~gpt2kimi.kda.KimiDeltaAttention.step`, forty in an MoE layer,
+    half a dozen in a norm) instead of the compiled C steps (:mod:`gpt2kimi.native`), as where
+    there is no C compiler: what the C steps save."""
     saved = os.environ.get("GPT2KIMI_NATIVE")
     os.environ["GPT2KIMI_NATIVE"] = "0"
     native._kernel.cache_clear()  # read the setting again

@@ -6,7 +6,7 @@
  * forty calls per token over a few hundred thousand weights, each costing microseconds of
  * dispatch; here they are loops over the same numbers. Among exactly equal scores the lower
  * expert index is chosen (torch.topk leaves that order open). fp32, C-contiguous arrays, one
- * thread. Built by gpt2kimi/ops/native.py; tested equal to the PyTorch layer.
+ * thread. Built by gpt2kimi/native.py; tested equal to the PyTorch layer.
  */
 #include <math.h>
 #include <stddef.h>
@@ -31,7 +31,7 @@ static void swiglu_add(int d, int I, const float *x, const float *gate, const fl
     for (int j = 0; j < d; j++) y[j] += dot(down + (size_t)j * I, hidden, I);
 }
 
-/* A layer's shape and weights, bound once (gpt2kimi/ops/native.py: moe_step_weights).
+/* A layer's shape and weights, bound once (gpt2kimi/native.py: moe_step_weights).
  *
  * d the model's width, E experts of width I, k chosen per token; a shared expert of width Is
  * (Is = 0: none). softmax 0: a sigmoid per expert (DeepSeek-V3, Kimi); 1: a softmax (Mixtral).

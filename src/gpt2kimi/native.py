@@ -1,13 +1,16 @@
 """Compiled C for a decoded token, where PyTorch's per-call cost outweighs the arithmetic.
 
 A decode step of a small KDA layer makes about fifty PyTorch calls over a few thousand numbers,
-and a small MoE layer about forty over the few experts a token chose; each call costs
-microseconds of dispatch whatever it computes. On a GPU, fla fuses such a step into one Triton
-kernel; on a CPU the same fusion is a C loop. :func:`fused_kda_decode_step` runs
-``csrc/kda_step.c``, :meth:`~gpt2kimi.kda.KimiDeltaAttention.step`'s arithmetic from the
-projected token on, and :func:`fused_moe_decode_step` runs ``csrc/moe_step.c``, a
-:class:`~gpt2kimi.moe.MoE` layer from router to output; each in one call, tested equal to the
-PyTorch it replaces (``tests/test_native.py``).
+a small MoE layer about forty over the few experts a token chose, and an RMSNorm half a dozen
+over one row; each call costs microseconds of dispatch whatever it computes. On a GPU, fla fuses
+such a step into one Triton kernel; on a CPU the same fusion is a C loop.
+:func:`fused_kda_decode_step` runs ``csrc/kda_step.c``,
+:meth:`~gpt2kimi.kda.KimiDeltaAttention.step`'s arithmetic from the projected token on;
+:func:`fused_moe_decode_step` runs ``csrc/moe_step.c``, a :class:`~gpt2kimi.moe.MoE` layer from
+router to output; :func:`fused_rms_norm` runs ``csrc/rms_norm.c``, the backbone's
+:class:`~gpt2kimi.backbone.RMSNorm` at a decoded token. Each is one call, tested equal to the
+PyTorch it replaces (``tests/test_native.py``). A support module: it imports nothing of the
+package, so that the backbone's norm can use it as the chapters' layers do.
 
 The C files are compiled once per machine with the system's C compiler (``cc``, or ``$CC``) into
 ``$GPT2KIMI_CACHE`` (default ``~/.cache/gpt2kimi``) and loaded with ``ctypes``: no build step, no
@@ -30,7 +33,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("kda_step.c", "moe_step.c"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("kda_step.c", "moe_step.c", "rms_norm.c"))
 # -fopenmp-simd: the dot products' `#pragma omp simd` vectorizes them (no OpenMP runtime); the
 # last set is for a compiler that knows neither flag
 FLAGS = (["-O3", "-march=native", "-fopenmp-simd"], ["-O3", "-fopenmp-simd"], ["-O3"])
@@ -80,6 +84,7 @@ class Kernels:
 
     kda_decode_step: ctypes._CFuncPtr
     moe_decode_step: ctypes._CFuncPtr
+    rms_norm: ctypes._CFuncPtr
 
 
 @functools.cache
@@ -94,11 +99,12 @@ def _kernel() -> Kernels | None:
     if not path.exists() and not _build(path):
         return None
     library, ptr, i32 = ctypes.CDLL(str(path)), ctypes.c_void_p, ctypes.c_int
-    kda, moe = library.kda_decode_step, library.moe_decode_step
-    kda.restype = moe.restype = None
+    kda, moe, norm = library.kda_decode_step, library.moe_decode_step, library.rms_norm
+    kda.restype = moe.restype = norm.restype = None
     kda.argtypes = [ctypes.POINTER(_KDAWeights), i32] + [ptr] * 6
     moe.argtypes = [ctypes.POINTER(_MoEWeights), i32] + [ptr] * 7
-    return Kernels(kda, moe)
+    norm.argtypes = [i32, i32, ctypes.c_float] + [ptr] * 3
+    return Kernels(kda, moe, norm)
 
 
 def native_available() -> bool:
@@ -272,3 +278,21 @@ def fused_moe_decode_step(
         w, N, x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
         scores.data_ptr(), experts.data_ptr(), chosen.data_ptr(), per_expert.data_ptr())
     return y, scores, experts, chosen, per_expert
+
+
+def fused_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
+    """``F.rms_norm(x, weight.shape, weight, eps)`` for x [..., d] and weight [d], in one C call
+    (``csrc/rms_norm.c``): for a decoded token's few rows, where PyTorch's half a dozen calls
+    cost more than the arithmetic. None where the C code does not apply: not built, gradients
+    on, anything but contiguous fp32 on the CPU.
+    """
+    kernels = _kernel()
+    if kernels is None or torch.is_grad_enabled() or not _usable((x, weight)):
+        return None
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"fused_rms_norm: expected a weight of shape ({x.shape[-1]},) for x of "
+                         f"shape {tuple(x.shape)}, got {tuple(weight.shape)}")
+    out = torch.empty_like(x)
+    kernels.rms_norm(x.numel() // max(x.shape[-1], 1), x.shape[-1], eps, x.data_ptr(),
+                     weight.data_ptr(), out.data_ptr())
+    return out

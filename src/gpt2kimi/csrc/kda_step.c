@@ -5,7 +5,7 @@
  * delta rule's step of the memory, the output gate and its RMSNorm. At decode time each PyTorch
  * call costs a few microseconds whatever it computes, and the step makes about fifty of them over
  * a few thousand numbers; here they are loops over the same numbers. fp32, C-contiguous arrays,
- * one thread. Built by gpt2kimi/ops/native.py; tested equal to the PyTorch step.
+ * one thread. Built by gpt2kimi/native.py; tested equal to the PyTorch step.
  */
 #include <math.h>
 #include <stddef.h>
@@ -37,7 +37,7 @@ static float softplusf_(float x) {  /* as torch.nn.functional.softplus: linear a
     return x > 20.0f ? x : log1pf(expf(x));
 }
 
-/* A layer's shape and weights, bound once (gpt2kimi/ops/native.py: kda_step_weights).
+/* A layer's shape and weights, bound once (gpt2kimi/native.py: kda_step_weights).
  *
  * H heads of D channels, conv_size C; N = 3 * H * D (q, k and v side by side).
  * conv_w   [C, N]       the convolution's kernel, oldest input first
