@@ -15,15 +15,19 @@ LAB_STAMP := $(VENV)/.lab-installed
 BOOK_FLAGS := -W -n --keep-going
 # The book's configuration with notebook execution off: pages render the committed outputs.
 NOEXEC_CONFIG := .config-noexec.yml
-# Notebooks checked side by side by nbval (two on two cores; NBVAL_JOBS=1 checks one at a time).
+# Jobs make test runs side by side (unit tests, notebooks, the book): two on two cores.
+TEST_JOBS ?= 2
+# Notebooks make notebooks checks side by side (NBVAL_JOBS=1 checks one at a time).
 NBVAL_JOBS ?= 2
+# The notebooks, largest file first (about the longest first)
+NBVAL_TARGETS := $(patsubst notebooks/%.ipynb,nbval-%,$(shell ls -S notebooks/*.ipynb))
 # PyTorch threads per checked notebook: two notebooks with two threads each on two cores make
 # their threads wait on each other (a multi-threaded training cell ran several times slower).
 NBVAL_THREADS ?= 1
 # Extra options for JupyterLab, e.g. make lab LAB_FLAGS="--no-browser --port 8890"
 LAB_FLAGS ?=
 
-.PHONY: book book-exec lab test unit notebooks book-check browser lint figures clean
+.PHONY: book book-exec lab test lint unit unit-tests notebooks book-check book-then-browser browser figures clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -54,31 +58,50 @@ $(LAB_STAMP): $(STAMP)
 lab: $(LAB_STAMP)
 	GPT2KIMI_PROGRESS=1 $(BIN)/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_FLAGS)
 
-test: unit notebooks book-check browser
+# The checks that take seconds run first; then the unit tests, every notebook and the book with
+# its browser checks share TEST_JOBS slots (two cores: two jobs of one PyTorch thread each), the
+# longest first, so that neither core idles while a long notebook runs. -k: every failure shows.
+test: lint
+	$(MAKE) --no-print-directory -k -j$(TEST_JOBS) --output-sync=target \
+	  NBVAL_THREADS=$(NBVAL_THREADS) TEST_THREADS=$(NBVAL_THREADS) \
+	  book-then-browser unit-tests $(NBVAL_TARGETS)
 
-unit: $(STAMP)
+lint: $(STAMP)
 	$(BIN)/ruff check src tests book
 	$(BIN)/lint-imports
 	$(BIN)/python -m gpt2kimi.experiments check  # every results file registered and current
-	$(BIN)/python -m pytest tests --ignore=tests/browser
 
-# One pytest per notebook, NBVAL_JOBS at a time, the longest first; fails if any notebook fails.
+unit: lint unit-tests
+
+# TEST_THREADS PyTorch threads (all of them, unless make test runs it beside a notebook)
+unit-tests: $(STAMP)
+	$(if $(TEST_THREADS),OMP_NUM_THREADS=$(TEST_THREADS)) \
+	  $(BIN)/python -m pytest tests --ignore=tests/browser -p no:cacheprovider
+
+# One pytest per notebook, NBVAL_JOBS at a time, the largest first; fails if any notebook fails.
 # Each prints its wall time. GPT2KIMI_PROGRESS=0 keeps progress bars out of the compared outputs;
-# each notebook runs NBVAL_THREADS PyTorch threads (make test NBVAL_JOBS=1 NBVAL_THREADS=2 on an
-# idle two-core machine).
+# each notebook runs NBVAL_THREADS PyTorch threads (make notebooks NBVAL_JOBS=1 NBVAL_THREADS=2
+# on an idle two-core machine).
 notebooks: $(STAMP)
-	ls -S notebooks/*.ipynb | GPT2KIMI_PROGRESS=0 OMP_NUM_THREADS=$(NBVAL_THREADS) \
-	  xargs -P $(NBVAL_JOBS) -I{} sh -c \
-	  'start=$$(date +%s); $(BIN)/python -m pytest --nbval {} -p no:cacheprovider; rc=$$?; \
-	   echo "nbval {}: $$(( $$(date +%s) - start )) s"; exit $$rc'
+	$(MAKE) --no-print-directory -k -j$(NBVAL_JOBS) --output-sync=target $(NBVAL_TARGETS)
 
-# nbval has just re-executed every notebook against its committed outputs, so the test build
-# renders those outputs instead of executing everything a second time.
+nbval-%: $(STAMP)
+	@start=$$(date +%s); GPT2KIMI_PROGRESS=0 OMP_NUM_THREADS=$(NBVAL_THREADS) \
+	  $(BIN)/python -m pytest --nbval notebooks/$*.ipynb -p no:cacheprovider; rc=$$?; \
+	  echo "nbval notebooks/$*.ipynb: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+# the browser checks read the book just built: one job, in this order
+book-then-browser: book-check
+	$(BROWSER_TESTS)
+
+# nbval re-executes every notebook against its committed outputs, so the test build renders
+# those outputs instead of executing everything a second time.
 book-check: $(STAMP) $(NOEXEC_CONFIG)
 	$(BIN)/jupyter-book build . $(BOOK_FLAGS) --config $(NOEXEC_CONFIG)
 
+BROWSER_TESTS = $(BIN)/python -m pytest tests/browser -p no:cacheprovider
 browser: $(STAMP)
-	$(BIN)/python -m pytest tests/browser -p no:cacheprovider
+	$(BROWSER_TESTS)
 
 figures: $(STAMP)
 	$(BIN)/python book/figures/make_intro_figure.py

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpt2kimi.experiments.pipeline import run_lines
+from gpt2kimi.experiments.pipeline import verifications as verified_lines
 from gpt2kimi.experiments.results import REGISTRY, default_data_dir, entry_status
 from gpt2kimi.experiments.tasks import get_task
 
@@ -55,6 +56,18 @@ def load(name: str, data_dir: Path | None = None, *, current: bool = True) -> li
         if status != "current":
             raise StaleResults(f"{entry.path}: {status}; re-record it with: {entry.command}")
     return read_rows(data_dir / entry.path)
+
+
+def verifications(name: str, data_dir: Path | None = None) -> list[dict]:
+    """The verifications of the registered results file ``name``, oldest first: each time its
+    code changed, ``verify`` trained some of its runs again with the new code and compared them
+    with the file (each a dict: ``code``, ``time``, ``machine``, ``tolerance``, and ``runs``,
+    each run's ``settings``, ``seed`` and number of ``differences``)."""
+    if name not in REGISTRY:
+        raise KeyError(f"no results file {name!r} in the registry; see "
+                       "python -m gpt2kimi.experiments list")
+    data_dir = default_data_dir() if data_dir is None else data_dir
+    return verified_lines(data_dir / REGISTRY[name].path)
 
 
 def select(rows: Iterable[dict], **where) -> list[dict]:
