@@ -1,5 +1,5 @@
 """Reading the experiments: current files only, each cell at its own tuned rate, orderings that
-hold in every seed, live re-runs within a tolerance."""
+hold in every seed, live re-runs within a tolerance, the verifications a file records."""
 
 import pytest
 
@@ -15,6 +15,7 @@ from gpt2kimi.experiments.evidence import (
     rerun,
     select,
     tuned,
+    verifications,
 )
 from gpt2kimi.experiments.results import ResultsEntry
 
@@ -67,6 +68,13 @@ def test_load_refuses_a_file_that_is_not_current_and_rerun_checks_a_tolerance(
     assert got == read_rows(tmp_path / "tiny.jsonl") and len(got) == 2
     assert got[0]["mixer"] == "linear" and got[0]["train_steps"] == 3 and "accuracy" in got[0]
     assert select(got, seed=1) == [got[1]]
+    assert verifications("tiny", tmp_path) == []  # none yet
+    main(["verify", "tiny", "--data", str(tmp_path)])  # against the file's own numbers
+    (check,) = verifications("tiny", tmp_path)
+    assert {run["seed"] for run in check["runs"]} == {0, 1} and check["tolerance"] == 1e-4
+    assert all(run["differences"] == 0 for run in check["runs"]) and "baseline" not in check
+    with pytest.raises(KeyError, match="no results file 'other'"):
+        verifications("other", tmp_path)
     # the same runs again, in this process: equal, so within any tolerance
     checked = rerun("tiny", tolerance=0.0, data_dir=tmp_path, seed=1)
     assert len(checked) == 1 and checked[0][1] == checked[0][2]
