@@ -19,7 +19,6 @@ they do where there is no C compiler. ``python -m gpt2kimi.bench hybrid`` prints
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -241,17 +240,12 @@ def without_c_steps() -> Iterator[None]:
     (fifty-odd calls in :meth:`~gpt2kimi.kda.KimiDeltaAttention.step`, forty in an MoE layer,
     half a dozen in a norm) instead of the compiled C steps (:mod:`gpt2kimi.native`), as where
     there is no C compiler: what the C steps save."""
-    saved = os.environ.get("GPT2KIMI_NATIVE")
-    os.environ["GPT2KIMI_NATIVE"] = "0"
-    native._kernel.cache_clear()  # read the setting again
+    compiled = native._kernel
+    native._kernel = lambda: None  # as where nothing could be compiled
     try:
         yield
     finally:
-        if saved is None:
-            del os.environ["GPT2KIMI_NATIVE"]
-        else:
-            os.environ["GPT2KIMI_NATIVE"] = saved
-        native._kernel.cache_clear()
+        native._kernel = compiled  # the compiled steps again, still loaded
 
 
 def _prompt(config: HybridConfig, length: int) -> torch.Tensor:
