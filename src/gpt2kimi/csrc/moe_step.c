@@ -11,7 +11,6 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 static float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -22,25 +21,14 @@ static float dot(const float *a, const float *b, int n) {
     return s;
 }
 
-/* One expert's SwiGLU for the m tokens that chose it, token t scaled by ws[t]:
- * outs[t] = down (silu(gate xs[t]) * up xs[t] * ws[t]), gate and up [I, d], down [d, I], rows by
- * output. Each weight row is read once for all m tokens (it stays in the nearest cache between
- * them), so a decoded batch reads a chosen expert once, not once per token that chose it.
- * hidden: room for [m, I]. */
-static void swiglu_tokens(int d, int I, int m, const float *const *xs, const float *ws,
-                          const float *gate, const float *up, const float *down,
-                          float *hidden, float *const *outs) {
+/* y += down (silu(gate x) * up x * w): gate, up [I, d] and down [d, I], rows by output */
+static void swiglu_add(int d, int I, const float *x, const float *gate, const float *up,
+                       const float *down, float w, float *y, float *hidden) {
     for (int i = 0; i < I; i++) {
-        const float *gate_i = gate + (size_t)i * d, *up_i = up + (size_t)i * d;
-        for (int t = 0; t < m; t++) {
-            const float g = dot(gate_i, xs[t], d), u = dot(up_i, xs[t], d);
-            hidden[(size_t)t * I + i] = g * sigmoidf_(g) * u * ws[t];
-        }
+        const float g = dot(gate + (size_t)i * d, x, d), u = dot(up + (size_t)i * d, x, d);
+        hidden[i] = g * sigmoidf_(g) * u * w;
     }
-    for (int c = 0; c < d; c++) {
-        const float *down_c = down + (size_t)c * I;
-        for (int t = 0; t < m; t++) outs[t][c] = dot(down_c, hidden + (size_t)t * I, I);
-    }
+    for (int j = 0; j < d; j++) y[j] += dot(down + (size_t)j * I, hidden, I);
 }
 
 /* A layer's shape and weights, bound once (gpt2kimi/native.py: moe_step_weights).
@@ -67,13 +55,11 @@ typedef struct {
 void moe_decode_step(const moe_weights *w, int N, const float *x, const float *bias, float *y,
                      float *scores, int64_t *experts, float *weights, int64_t *per_expert) {
     const int d = w->d, E = w->E, k = w->k, I = w->I, Is = w->Is;
-    const int S = k + (Is > 0); /* each token's parts: its k experts', then the shared one's */
-    float choice[E];
+    float choice[E], hidden[I > Is ? I : Is];
     for (int e = 0; e < E; e++) per_expert[e] = 0;
-    /* 1. routing, token by token */
     for (int n = 0; n < N; n++) {
         const float *xn = x + (size_t)n * d;
-        float *sn = scores + (size_t)n * E, *wn = weights + (size_t)n * k;
+        float *yn = y + (size_t)n * d, *sn = scores + (size_t)n * E, *wn = weights + (size_t)n * k;
         int64_t *en = experts + (size_t)n * k;
         /* the router's scores, and the values the choice is made by */
         for (int e = 0; e < E; e++) sn[e] = dot(w->router + (size_t)e * d, xn, d);
@@ -102,57 +88,13 @@ void moe_decode_step(const moe_weights *w, int N, const float *x, const float *b
         }
         for (int j = 0; j < k; j++)
             wn[j] = (w->norm_topk ? wn[j] / (total + 1e-20f) : wn[j]) * w->scaling;
-    }
-    /* 2. expert by expert, the tokens that chose it (bucketed by expert), then the shared
-     * expert for every token; each part of each token's output kept apart */
-    float *part = malloc(sizeof(float) * (size_t)N * S * d);
-    float *hidden = malloc(sizeof(float) * (size_t)N * (I > Is ? I : Is));
-    if (!part || !hidden) { /* no memory for a few kilobytes: say so in the output */
-        for (size_t i = 0; i < (size_t)N * d; i++) y[i] = NAN;
-        free(part);
-        free(hidden);
-        return;
-    }
-    int start[E + 1], fill[E], token[N * k], slot[N * k];
-    start[0] = 0;
-    for (int e = 0; e < E; e++) start[e + 1] = start[e] + (int)per_expert[e];
-    for (int e = 0; e < E; e++) fill[e] = start[e];
-    for (int n = 0; n < N; n++)
+        /* the chosen experts, each scaled by its weight, then the shared expert */
+        for (int j = 0; j < d; j++) yn[j] = 0.0f;
         for (int j = 0; j < k; j++) {
-            const int p = fill[experts[(size_t)n * k + j]]++;
-            token[p] = n;
-            slot[p] = j;
+            const float *gu = w->gate_up + (size_t)en[j] * 2 * I * d;
+            swiglu_add(d, I, xn, gu, gu + (size_t)I * d, w->down + (size_t)en[j] * d * I, wn[j],
+                       yn, hidden);
         }
-    const float *xs[N];
-    float ws[N], *outs[N];
-    for (int e = 0; e < E; e++) {
-        const int m = start[e + 1] - start[e];
-        if (m == 0) continue;
-        for (int t = 0; t < m; t++) {
-            const int n = token[start[e] + t], j = slot[start[e] + t];
-            xs[t] = x + (size_t)n * d;
-            ws[t] = weights[(size_t)n * k + j];
-            outs[t] = part + ((size_t)n * S + j) * d;
-        }
-        const float *gu = w->gate_up + (size_t)e * 2 * I * d;
-        swiglu_tokens(d, I, m, xs, ws, gu, gu + (size_t)I * d, w->down + (size_t)e * d * I,
-                      hidden, outs);
+        if (Is > 0) swiglu_add(d, Is, xn, w->s_gate, w->s_up, w->s_down, 1.0f, yn, hidden);
     }
-    if (Is > 0) {
-        for (int n = 0; n < N; n++) {
-            xs[n] = x + (size_t)n * d;
-            ws[n] = 1.0f;
-            outs[n] = part + ((size_t)n * S + k) * d;
-        }
-        swiglu_tokens(d, Is, N, xs, ws, w->s_gate, w->s_up, w->s_down, hidden, outs);
-    }
-    /* 3. each token's output: its parts summed in their order, the shared expert's last */
-    for (int n = 0; n < N; n++)
-        for (int c = 0; c < d; c++) {
-            float sum = 0.0f;
-            for (int s_ = 0; s_ < S; s_++) sum += part[((size_t)n * S + s_) * d + c];
-            y[(size_t)n * d + c] = sum;
-        }
-    free(part);
-    free(hidden);
 }
