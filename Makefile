@@ -63,8 +63,7 @@ lab: $(LAB_STAMP)
 # longest first, so that neither core idles while a long notebook runs. -k: every failure shows.
 test: lint
 	$(MAKE) --no-print-directory -k -j$(TEST_JOBS) --output-sync=target \
-	  NBVAL_THREADS=$(NBVAL_THREADS) TEST_THREADS=$(NBVAL_THREADS) \
-	  book-then-browser unit-tests $(NBVAL_TARGETS)
+	  TEST_THREADS=$(NBVAL_THREADS) book-then-browser unit-tests $(NBVAL_TARGETS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests book
@@ -73,7 +72,8 @@ lint: $(STAMP)
 
 unit: lint unit-tests
 
-# TEST_THREADS PyTorch threads (all of them, unless make test runs it beside a notebook)
+# Each test runs PyTorch on one thread (tests/conftest.py); TEST_THREADS also holds the processes
+# the tests start (chapter 9's gloo workers) to that many when make test runs them beside a notebook
 unit-tests: $(STAMP)
 	$(if $(TEST_THREADS),OMP_NUM_THREADS=$(TEST_THREADS)) \
 	  $(BIN)/python -m pytest tests --ignore=tests/browser -p no:cacheprovider

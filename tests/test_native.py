@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 
 from gpt2kimi import native
-from gpt2kimi.backbone import RMSNorm
 from gpt2kimi.configs import MoEConfig
 from gpt2kimi.kda import KimiDeltaAttention
 from gpt2kimi.moe import MoE
@@ -219,31 +218,6 @@ def test_fused_rms_norm_equals_pytorchs(shape):
     with torch.no_grad():
         zeros = native.fused_rms_norm(torch.zeros(shape), weight, 1e-5)
     assert torch.equal(zeros, torch.zeros(shape))
-
-
-@needs_compiler
-def test_the_backbones_norm_uses_it_at_a_decoded_token_only(monkeypatch):
-    from gpt2kimi import backbone
-
-    calls = []
-
-    def spy(x, weight, eps):
-        calls.append(tuple(x.shape))
-        return native.fused_rms_norm(x, weight, eps)
-
-    monkeypatch.setattr(backbone, "fused_rms_norm", spy)
-    torch.manual_seed(0)
-    norm = RMSNorm(64)
-    step, prompt = torch.randn(4, 1, 64), torch.randn(4, 20, 64)
-    with torch.no_grad():
-        norm.weight.uniform_(0.5, 1.5)
-        torch.testing.assert_close(norm(step), F.rms_norm(step, (64,), norm.weight, norm.eps),
-                                   rtol=2e-6, atol=1e-6)
-        assert calls == [(4, 1, 64)]
-        reference = prompt * torch.rsqrt(prompt.pow(2).mean(-1, keepdim=True) + norm.eps)
-        assert torch.equal(norm(prompt), reference * norm.weight)  # a prompt: PyTorch's
-    norm(step)  # gradients on: PyTorch's
-    assert calls == [(4, 1, 64)]
 
 
 @needs_compiler
