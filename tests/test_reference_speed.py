@@ -136,6 +136,8 @@ def test_summary_measures_every_row_and_indents_the_rows_without_targets():
     assert all(r.name.startswith("  ") for r in table if r.target is None)
     bytes_rows = [r for r in table if r.name.startswith("  bytes one step reads")]
     assert len(bytes_rows) == 2 and bytes_rows[0].ratio < bytes_rows[1].ratio  # longer: more
+    assert names[names.index(bytes_rows[1].name, names.index(bytes_rows[0].name) + 1) + 1] == (
+        "  time a step adds from 256 to 1024 cached tokens (bytes: 4x)")  # below the 1024 row
 
 
 def test_without_c_steps_turns_the_c_steps_off_and_back_on():
@@ -152,3 +154,24 @@ def test_without_c_steps_turns_the_c_steps_off_and_back_on():
         assert native.fused_rms_norm(x, weight, 1e-5) is None  # the norm's too
         assert torch.equal(backbone.RMSNorm(8)(x), torch.rms_norm(x, (8,), weight, 1e-5))
     assert native.native_available() == before and native._kernel is compiled  # not rebuilt
+
+
+def test_step_in_turns_steps_each_model_in_turn_after_filling_its_cache():
+    import torch
+
+    from gpt2kimi.experiments.hybrid_speed import BENCH_CONFIG, at_width, step_in_turns
+    from gpt2kimi.kimi_linear import KimiHybrid
+
+    steps = []  # (model, tokens cached before the step)
+    models = {}
+    for name, mixers in (("hybrid", BENCH_CONFIG.mixers), ("all-MLA", ("mla",) * 4)):
+        torch.manual_seed(0)
+        models[name] = KimiHybrid(at_width(BENCH_CONFIG.replace(mixers=mixers), 8)).eval()
+        models[name].register_forward_pre_hook(
+            lambda module, args, kwargs, name=name: steps.append((name, kwargs["cache"].pos)),
+            with_kwargs=True)
+    seconds = step_in_turns(models, 5, batch=2, steps=3)
+    assert set(seconds) == set(models) and all(s > 0 for s in seconds.values())
+    # one untimed step each after the 5 filled tokens, then three turns of one step each
+    assert steps == [("hybrid", 5), ("all-MLA", 5)] + [
+        (name, pos) for pos in (6, 7, 8) for name in ("hybrid", "all-MLA")]

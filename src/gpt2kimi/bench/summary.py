@@ -26,10 +26,12 @@ Rows (each measured side by side in interleaved rounds, on the same weights):
   :func:`gpt2kimi.experiments.reference_speed.gpt2_decode`, and beside it, apart from the
   fp32 rows, the same decode with bf16 weights (a precision lever: half the bytes);
 - the hybrid's decode against the same model with MLA in every layer (batch 8, caches filled
-  to 1K and 16K tokens), :func:`gpt2kimi.experiments.hybrid_speed.decode_sweep`, each beside
-  the ratio of the bytes the two models' steps read
-  (:func:`gpt2kimi.experiments.synthesis.step_bytes`): the lead a step that only read its
-  weights, cache and state would have;
+  to 1K and 16K tokens), :func:`gpt2kimi.experiments.hybrid_speed.decode_sweep` (the
+  models step in turn, one step each; each model's median step), each beside the ratio of the
+  bytes the two models' steps read (:func:`gpt2kimi.experiments.synthesis.step_bytes`): the
+  lead a step that only read its weights, cache and state would have; and the time a step adds
+  between the two contexts, which goes as the bytes it adds, where the fixed costs of a step
+  do not;
 - a training step of a 4-layer, 128-wide byte GPT-2 (batch 32, 256 tokens) against
   ``transformers``' GPT-2, :func:`gpt2kimi.experiments.reference_speed.gpt2_train_step`.
 
@@ -157,7 +159,8 @@ def rows(rounds: int = 3, quick: bool = False) -> list[Row]:
                    f"{dec['tokens_per_s']:.1f} tok/s", f"{dec['products_tokens_per_s']:.1f} tok/s",
                    dec["products_fraction"], 0.85))
     contexts = [256, 1024] if quick else [1024, 16384]
-    sweep = decode_sweep(contexts, batch=8, repeats=rounds)
+    # each model's median of 16 steps per round asked for, the models stepping in turn
+    sweep = decode_sweep(contexts, batch=8, steps=16, repeats=rounds)
     rates = sweep["tokens_per_s"]
     models = build_models()
     for i, (context, target) in enumerate(zip(contexts, (1.0, 3.0), strict=True)):
@@ -169,6 +172,13 @@ def rows(rounds: int = 3, quick: bool = False) -> list[Row]:
         out.append(Row("  bytes one step reads: all-MLA over the hybrid",
                        f"{read['hybrid'] / 1e6:.1f} MB", f"{read['all-MLA'] / 1e6:.1f} MB",
                        read["all-MLA"] / read["hybrid"], None))
+    # why the whole step's ratio stays under the bytes': the time the longer cache adds goes
+    # as the bytes it adds (four latent caches against one), the rest of a step, fixed costs
+    # common to both models, does not
+    added = {name: 8 / rates[name][1] - 8 / rates[name][0] for name in ("hybrid", "all-MLA")}
+    out.append(Row(f"  time a step adds from {contexts[0]} to {contexts[1]} cached tokens "
+                   "(bytes: 4x)", _ms(added["hybrid"], 1), _ms(added["all-MLA"], 1),
+                   added["all-MLA"] / added["hybrid"], None))
     step = gpt2_train_step(batch_size=4 if quick else 32, rounds=rounds)
     if step["loss_diff"] > 1e-4:
         raise RuntimeError(f"the two GPT-2s' losses differ by {step['loss_diff']:.1e}")

@@ -33,8 +33,25 @@ static inline float exp_(float x) {
 
 static float sigmoidf_(float x) { return 1.0f / (1.0f + exp_(-x)); }
 
-static float softplusf_(float x) {  /* as torch.nn.functional.softplus: linear above 20 */
-    return x > 20.0f ? x : log1pf(expf(x));
+/* ln(1 + t) for 0 <= t <= 1 as 2 atanh(s), s = t / (2 + t) <= 1/3, by its series to s^15 (the
+ * next term is below 2e-9 relative): plain arithmetic again, so that the loop vectorizes. */
+static inline float log1p_(float t) {
+    const float s = t / (2.0f + t), s2 = s * s;
+    float p = 1.0f / 15.0f;
+    p = p * s2 + 1.0f / 13.0f;
+    p = p * s2 + 1.0f / 11.0f;
+    p = p * s2 + 1.0f / 9.0f;
+    p = p * s2 + 1.0f / 7.0f;
+    p = p * s2 + 1.0f / 5.0f;
+    p = p * s2 + 1.0f / 3.0f;
+    p = p * s2 + 1.0f;
+    return 2.0f * s * p;
+}
+
+/* ln(1 + e^x) as max(x, 0) + ln(1 + e^-|x|): the same function as torch.nn.functional.softplus
+ * (which is x itself above 20, where the second term is below fp32's rounding of x) */
+static inline float softplusf_(float x) {
+    return (x > 0.0f ? x : 0.0f) + log1p_(exp_(x > 0.0f ? -x : x));
 }
 
 /* A layer's shape and weights, bound once (gpt2kimi/native.py: kda_step_weights).
@@ -65,7 +82,8 @@ void kda_decode_step(const kda_weights *w, int B, const float *h, const float *c
                 *g_b = w->g_b, *g_b_bias = w->g_b_bias, *norm_w = w->norm_w;
     const float norm_eps = w->norm_eps, scale = w->scale;
     const int HD = H * D, N = 3 * HD, width = N + H + 2 * D;
-    float qkv[N], g[HD], alpha[HD], gate[HD], o[HD];
+    float qkv[N], g[HD], alpha[HD], gate[HD], o[HD], decay_rate[H];
+    for (int hh = 0; hh < H; hh++) decay_rate[hh] = expf(A_log[hh]);  /* once, not per token */
     for (int b = 0; b < B; b++) {
         const float *hb = h + (size_t)b * width;
         const float *cb = conv + (size_t)b * (C - 1) * N;
@@ -99,7 +117,11 @@ void kda_decode_step(const kda_weights *w, int B, const float *h, const float *c
                 g[j] += f_a[i] * f_b[(size_t)i * HD + j];
                 gate[j] += g_a[i] * g_b[(size_t)i * HD + j];
             }
-        for (int j = 0; j < HD; j++) g[j] = -expf(A_log[j / D]) * softplusf_(g[j] + dt_bias[j]);
+        for (int hh = 0; hh < H; hh++)
+            for (int i = 0; i < D; i++) {
+                const int j = hh * D + i;
+                g[j] = -decay_rate[hh] * softplusf_(g[j] + dt_bias[j]);
+            }
         for (int j = 0; j < HD; j++) alpha[j] = exp_(g[j]);  /* each key channel's decay */
         for (int hh = 0; hh < H; hh++) {
             const float *q = qkv + hh * D, *k = qkv + HD + hh * D, *v = qkv + 2 * HD + hh * D;

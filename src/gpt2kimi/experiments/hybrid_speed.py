@@ -19,6 +19,7 @@ they do where there is no C compiler. ``python -m gpt2kimi.bench hybrid`` prints
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -101,31 +102,58 @@ def decode_sweep(
     contexts: list[int], *, batch: int = 8, steps: int = 8, repeats: int = 3,
     config: HybridConfig = BENCH_CONFIG,
 ) -> dict:
-    """Tokens/s of the three models at every context length, measured side by side: at each
-    context the fastest of ``repeats`` interleaved rounds of the three models."""
+    """Tokens/s of the three models at every context length, measured side by side
+    (:func:`step_in_turns`: ``steps · repeats`` steps of each, the models in turn one step at a
+    time, each model's median step)."""
     models = build_models(config)
     rates: dict[str, list[float]] = {name: [] for name in models}
     for context in contexts:
-        runs = {name: decode_timer(m, context, batch=batch, steps=steps)
-                for name, m in models.items()}
-        for name, seconds in fastest_interleaved(runs, repeats).items():
-            rates[name].append(batch * steps / seconds)
-        del runs  # free this context's caches before the next, larger one
+        for name, seconds in step_in_turns(models, context, batch=batch,
+                                           steps=steps * repeats).items():
+            rates[name].append(batch / seconds)
     return {
         "contexts": contexts,
         "batch": batch,
-        "rounds": repeats,
+        "steps": steps * repeats,
         "tokens_per_s": rates,
         "hybrid_vs_mla": [h / m for h, m in zip(rates["hybrid"], rates["all-MLA"], strict=True)],
         "hybrid_vs_mha": [h / m for h, m in zip(rates["hybrid"], rates["MHA"], strict=True)],
     }
 
 
+@torch.inference_mode()  # as generate decodes
+def step_in_turns(
+    models: dict[str, nn.Module], context: int, *, batch: int = 8, steps: int = 24
+) -> dict[str, float]:
+    """Median seconds of one greedy decode step of each model after ``context`` cached tokens.
+
+    Every model's cache is filled first (random numbers: a step costs the same whatever the
+    cache holds) and each takes one untimed step; then the models step in turn, one step each,
+    ``steps`` times. At long context a step of an attention model reads tens of megabytes, and
+    this machine's memory bandwidth drifts over seconds: taken in turn, step by step, a step of
+    each model meets the same phase of the machine, where whole rounds of several steps (a
+    second apart, with a cache fill between them) met different ones.
+    """
+    caches, tokens = {}, {}
+    for name, model in models.items():
+        caches[name] = model.new_cache(batch, context + steps + 1)
+        fill_cache(caches[name], context, torch.Generator().manual_seed(0))
+        tokens[name] = model(torch.zeros(batch, 1, dtype=torch.long),
+                             cache=caches[name])[:, -1:].argmax(dim=-1)
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(steps):
+        for name, model in models.items():
+            start = time.perf_counter()
+            tokens[name] = model(tokens[name], cache=caches[name])[:, -1:].argmax(dim=-1)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(seconds) for name, seconds in times.items()}
+
+
 def format_sweep(sweep: dict) -> str:
     rates = sweep["tokens_per_s"]
     rows = [
-        f"decode tokens/s, batch {sweep['batch']}, fastest of {sweep['rounds']} interleaved "
-        "rounds (higher is better)",
+        f"decode tokens/s, batch {sweep['batch']}, the median of {sweep['steps']} steps taken in "
+        "turns (higher is better)",
         f"{'context':>8}" + "".join(f"{m:>10}" for m in MODELS) + f"{'hyb/MLA':>10}{'hyb/MHA':>10}",
     ]
     for i, context in enumerate(sweep["contexts"]):
