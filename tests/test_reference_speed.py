@@ -2,6 +2,7 @@
 timings are the benchmark's business, never asserted here)."""
 
 import pytest
+import torch
 
 from gpt2kimi.bench.summary import Row, format_rows
 from gpt2kimi.gpt2 import GPT2Config
@@ -19,6 +20,24 @@ def test_gpt2_decode_same_tokens_as_transformers():
     assert 0 < result["roof_tokens_per_s"] and result["roof_fraction"] > 0
     assert result["products_tokens_per_s"] > 0 and result["products_bandwidth"] > 0
     assert result["bf16_s"] > 0 and 0 <= result["bf16_agree"] <= 6
+
+
+def test_decode_in_turns_times_each_step_beside_one_call_of_each_run():
+    from gpt2kimi.attention import GPT2WithCache
+    from gpt2kimi.experiments.reference_speed import decode_in_turns
+
+    model = GPT2WithCache(TINY).eval()
+    calls = []  # ("step", tokens cached before it) or the run's name, in order
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(("step", kwargs["cache"].pos)),
+        with_kwargs=True)
+    runs = {name: (lambda name=name: calls.append(name) or float(len(name)))
+            for name in ("products", "copy")}
+    seconds = decode_in_turns(model, torch.zeros(1, 4, dtype=torch.long), 3, runs)
+    # the prompt's prefill, then three turns: a step after one more token each time, the runs
+    assert calls == [("step", 0)] + [c for pos in (4, 5, 6)
+                                     for c in (("step", pos), "products", "copy")]
+    assert seconds["step"] > 0 and (seconds["products"], seconds["copy"]) == (8.0, 4.0)
 
 
 def test_decode_products_read_every_block_matrix_and_the_head_once():

@@ -21,8 +21,8 @@ Rows (each measured side by side in interleaved rounds, on the same weights):
   the two decode steps' operator calls (at batch 1 a step's time follows their number);
 - GPT-2 small's cached greedy decode against ``transformers``' ``generate``, and its tokens
   per second against the decode roofline and against its own matrix-vector products run alone
-  (which on a CPU draw about a copy's bandwidth, a little less or more by the CPU), the copy
-  that measures the bandwidth and the products timed in the same rounds as the two generations,
+  (which on a CPU draw about a copy's bandwidth, a little less or more by the CPU), the decode
+  step, the copy that measures the bandwidth and the products taking turns, each its median,
   :func:`gpt2kimi.experiments.reference_speed.gpt2_decode`, and beside it, apart from the
   fp32 rows, the same decode with bf16 weights (a precision lever: half the bytes);
 - the hybrid's decode against the same model with MLA in every layer (batch 8, caches filled

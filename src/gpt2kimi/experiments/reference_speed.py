@@ -4,7 +4,9 @@ GPT-2 training step against ``transformers``' GPT-2 doing the same step.
 
 Every comparison builds both models from one set of weights, checks that they compute the same
 thing (the same greedy tokens; the same loss), and times them in interleaved rounds
-(:func:`gpt2kimi.timing.fastest_interleaved`), so a slow phase of the machine slows both alike.
+(:func:`gpt2kimi.timing.fastest_interleaved`), so a slow phase of the machine slows both alike;
+the decode step and the roofline it is held against take turns step by step
+(:func:`decode_in_turns`).
 ``python -m gpt2kimi.bench summary`` prints them beside the other benchmarks.
 
 ``transformers`` stands in for nanoGPT's ``model.py`` in the training step: both are the GPT-2
@@ -14,6 +16,8 @@ install.
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -21,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpt2kimi.attention import GPT2WithCache
-from gpt2kimi.backbone import LanguageModel, d_by_vocab
+from gpt2kimi.backbone import LanguageModel, d_by_vocab, release_decode_layouts
 from gpt2kimi.gpt2 import GPT2, GPT2Config
 from gpt2kimi.kv_cache import generate
 from gpt2kimi.roofline import copy_run, decode_step_cost
@@ -100,11 +104,25 @@ def decode_products_run(model: LanguageModel) -> tuple[Callable[[], float], int]
     return timed(run), sum(m.weight.nbytes for m in linears) + head.nbytes
 
 
-def _fastest_of(run: Callable[[], float], times: int) -> Callable[[], float]:
-    """A run that calls ``run`` ``times`` times in a row and returns its fastest: a short
-    measurement repeated within one round of :func:`~gpt2kimi.timing.fastest_interleaved`,
-    beside a long one that runs once per round."""
-    return lambda: min(run() for _ in range(times))
+@torch.inference_mode()  # as generate decodes
+def decode_in_turns(
+    model: nn.Module, prompt: torch.Tensor, steps: int, runs: dict[str, Callable[[], float]]
+) -> dict[str, float]:
+    """Median seconds of one greedy decode step of ``model`` after ``prompt`` [B, T] (its
+    prefill untimed), as ``"step"``, and of each of ``runs`` (functions that return their own
+    seconds): one step, then one call of each run, in turn, ``steps`` times. Every median is
+    taken over the same phases of the machine, and none includes the prefill."""
+    cache = model.new_cache(len(prompt), prompt.size(1) + steps + 1)
+    token = model(prompt, cache=cache)[:, -1:].argmax(dim=-1)
+    times: dict[str, list[float]] = {"step": []} | {name: [] for name in runs}
+    for _ in range(steps):
+        start = time.perf_counter()
+        token = model(token, cache=cache)[:, -1:].argmax(dim=-1)
+        times["step"].append(time.perf_counter() - start)
+        for name, run in runs.items():
+            times[name].append(run())
+    release_decode_layouts(model)  # as generate does, once its tokens are out
+    return {name: statistics.median(seconds) for name, seconds in times.items()}
 
 
 @torch.no_grad()
@@ -114,21 +132,23 @@ def gpt2_decode(
 ) -> dict:
     """Greedy generation of ``new_tokens`` after a ``prompt_len``-token prompt, batch 1, with
     this library's cache (:func:`gpt2kimi.kv_cache.generate` on :class:`GPT2WithCache`) and with
-    ``transformers``' ``generate`` (its KV cache), on the same GPT-2 weights (small by default).
+    ``transformers``' ``generate`` (its KV cache), on the same GPT-2 weights (small by default),
+    and the library's decode step against the decode roofline.
 
     Returns ``{"ours_s", "transformers_s", "same_tokens", "tokens_per_s", "roof_tokens_per_s",
     "roof_fraction", "bandwidth", "products_tokens_per_s", "products_fraction",
-    "products_bandwidth", "bf16_s", "bf16_agree"}``: the roof is the decode roofline, a step
-    that only moves the weights and the cache it reads at the machine's copy bandwidth
-    (:func:`gpt2kimi.roofline.copy_run`); ``products`` is a step that only runs its
-    matrix-vector products (:func:`decode_products_run`), and ``products_bandwidth`` the bytes
-    per second they draw. The copy and the products are timed in the same interleaved rounds
-    as the two generations (each the fastest of 5 in a row, per round), so every ratio compares
-    timings taken in the same phase of the machine. ``tokens_per_s`` counts the decode steps
-    after the prompt, each step's time being the whole generation's over ``new_tokens``.
-    ``bf16_s`` times the same generation with bf16 weights in the same rounds (a precision
-    lever, apart from the fp32 comparison), and ``bf16_agree`` counts its greedy tokens that
-    equal fp32's before the first that differs.
+    "products_bandwidth", "bf16_s", "bf16_agree"}``. The two generations (the prompt's prefill
+    included) are timed in interleaved rounds, the fastest of ``rounds`` each. The roof is the
+    decode roofline, a step that only moves the weights and the cache it reads at the machine's
+    copy bandwidth (:func:`gpt2kimi.roofline.copy_run`); ``products`` is a step that only runs
+    its matrix-vector products (:func:`decode_products_run`), and ``products_bandwidth`` the
+    bytes per second they draw. The decode step, the copy that measures the bandwidth and the
+    products take turns, ``new_tokens`` times (:func:`decode_in_turns`), and each ratio to the
+    roof or the products is between their medians: the same statistic of timings taken in the
+    same phases of the machine. ``tokens_per_s`` is one over the median step (the prefill
+    apart). ``bf16_s`` times the same generation with bf16 weights in the generations' rounds (a
+    precision lever, apart from the fp32 comparison), and ``bf16_agree`` counts its greedy
+    tokens that equal fp32's before the first that differs.
     """
     config = GPT2Config() if config is None else config
     hf = _hf_gpt2(config).eval()
@@ -137,11 +157,8 @@ def gpt2_decode(
     prompt = torch.randint(0, config.vocab_size, (1, prompt_len),
                            generator=torch.Generator().manual_seed(1))
 
-    # the two generations, the products alone and a copy of memory, all in the same rounds:
-    # every ratio below is between timings of one phase of the machine
+    # the two generations in the same rounds: their ratio is between timings of one phase
     same, runs = greedy_runs(ours, hf, prompt, new_tokens)
-    products, products_bytes = decode_products_run(ours)
-    copy, copy_bytes = copy_run()
     # a precision lever, reported apart from the fp32 rows: the same decode with bf16 weights
     # (half the bytes), and how many of its greedy tokens, from the first, are fp32's
     half = GPT2WithCache.from_gpt2(gpt2).to(torch.bfloat16).eval()
@@ -150,16 +167,19 @@ def gpt2_decode(
     differ = (fp32_tokens != bf16_tokens).nonzero()
     bf16_agree = int(differ[0, 0]) if len(differ) else new_tokens
     best = fastest_interleaved(
-        runs | {"products": _fastest_of(products, 5), "copy": _fastest_of(copy, 5),
-                "bf16": timed(lambda: generate(half, prompt, new_tokens))}, rounds)
+        runs | {"bf16": timed(lambda: generate(half, prompt, new_tokens))}, rounds)
+    # the decode step beside a pass over its products and a copy of memory, in turn
+    products, products_bytes = decode_products_run(ours)
+    copy, copy_bytes = copy_run()
+    median = decode_in_turns(ours, prompt, new_tokens, {"products": products, "copy": copy})
     # the bytes of the average step: the weights and the cache it reads, cached tokens on
     # average over the steps (the count chapter 2's roofline uses)
     n_params = sum(p.numel() for p in ours.parameters())
     step_bytes = decode_step_cost(n_params, config.n_layer, config.n_embd, config.n_embd,
                                   context=round(prompt_len + (new_tokens - 1) / 2)).bytes
-    bandwidth = copy_bytes / best["copy"]
-    products_s = best["products"]
-    rate = new_tokens / best["ours"]
+    bandwidth = copy_bytes / median["copy"]
+    products_s = median["products"]
+    rate = 1 / median["step"]
     return {"ours_s": best["ours"], "transformers_s": best["theirs"], "same_tokens": same,
             "tokens_per_s": rate, "roof_tokens_per_s": bandwidth / step_bytes,
             "roof_fraction": rate * step_bytes / bandwidth, "bandwidth": bandwidth,
