@@ -64,6 +64,22 @@ def test_summary_rows_say_whether_the_target_is_met():
     assert lines[1].endswith("yes") and lines[2].endswith("no") and lines[3].endswith("-")
 
 
+def test_median_rows_keep_each_rows_median_run_and_its_range():
+    from gpt2kimi.bench.summary import median_rows
+
+    def table(a, b):
+        return [Row("a", f"{a}", "1", a, 2.0), Row("  b", f"{b}", "1", b, None)]
+
+    medians = median_rows([table(1.9, 5.0), table(2.3, 4.0), table(2.1, 3.0)])
+    assert [(r.ours, lo, hi) for r, lo, hi in medians] == [("2.1", 1.9, 2.3), ("4.0", 3.0, 5.0)]
+    assert medians[0][0].met  # the median run meets the target, the slowest would not
+    assert median_rows([table(1.0, 2.0), table(3.0, 4.0)])[0][0].ratio == 1.0  # lower middle
+    text = format_rows([r for r, _, _ in medians], [(lo, hi) for _, lo, hi in medians])
+    assert "range of the runs" in text and "1.90x-2.30x" in text and "3.00x-5.00x" in text
+    with pytest.raises(ValueError, match="do not line up"):
+        median_rows([table(1.0, 2.0), [Row("c", "", "", 1.0, None)] * 2])
+
+
 def test_step_operations_counts_every_call_of_one_decode_step():
     import torch
 

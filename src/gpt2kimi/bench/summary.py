@@ -188,15 +188,33 @@ def rows(rounds: int = 3, quick: bool = False) -> list[Row]:
     return out
 
 
-def format_rows(table: list[Row]) -> str:
+def median_rows(tables: list[list[Row]]) -> list[tuple[Row, float, float]]:
+    """The same table measured several times: each row as the run with its median ratio
+    measured it (the lower of the two middle ones for an even count), with the lowest and the
+    highest ratio of all the runs. On a machine whose speed drifts, one run can put a row on
+    either side of its target; the median and the range say where it stands."""
+    out = []
+    for measured in zip(*tables, strict=True):
+        names = sorted({r.name for r in measured})
+        if len(names) != 1:
+            raise ValueError(f"the runs' tables do not line up: {names}")
+        ranked = sorted(measured, key=lambda r: r.ratio)
+        out.append((ranked[(len(ranked) - 1) // 2], ranked[0].ratio, ranked[-1].ratio))
+    return out
+
+
+def format_rows(table: list[Row], ranges: list[tuple[float, float]] | None = None) -> str:
+    """The table as text; with ``ranges`` (each row's lowest and highest ratio over several
+    runs), a column that shows them."""
     width = max(len(r.name) for r in table)
     lines = [f"{'benchmark':<{width}}  {'ours':>12}  {'reference':>12}  {'ratio':>6}  "
-             f"{'target':>6}  met"]
-    for r in table:
+             f"{'target':>6}  met" + ("  range of the runs" if ranges else "")]
+    for i, r in enumerate(table):
         target, met = ("     -", "-") if r.met is None else (f"{r.target:>5.2f}x",
                                                                "yes" if r.met else "no")
+        spread = f"  {ranges[i][0]:.2f}x-{ranges[i][1]:.2f}x" if ranges else ""
         lines.append(f"{r.name:<{width}}  {r.ours:>12}  {r.reference:>12}  {r.ratio:>5.2f}x  "
-                     f"{target}  {met}")
+                     f"{target}  {met:<3}{spread}".rstrip())
     return "\n".join(lines)
 
 
@@ -204,8 +222,19 @@ def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="python -m gpt2kimi.bench summary",
                                 description=__doc__.strip().splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--runs", type=int, default=1,
+                   help="measure the whole table this many times; print each row's median run "
+                        "and the range of its ratio")
     p.add_argument("--quick", action="store_true", help="small sizes: check that it runs")
     args = p.parse_args(argv)
+    if args.runs < 1:
+        p.error(f"--runs must be at least 1, got {args.runs}")
     print(f"fp32, {torch.get_num_threads()} thread(s), fastest of {args.rounds} interleaved "
-          "rounds; ratio: the reference's time over ours (ours / roof for the roofline row)")
-    print(format_rows(rows(args.rounds, args.quick)))
+          "rounds; ratio: the reference's time over ours (ours / roof for the roofline row)"
+          + (f"; each row the median of {args.runs} runs" if args.runs > 1 else ""))
+    tables = [rows(args.rounds, args.quick) for _ in range(args.runs)]
+    if args.runs == 1:
+        print(format_rows(tables[0]))
+        return
+    medians = median_rows(tables)
+    print(format_rows([row for row, _, _ in medians], [(lo, hi) for _, lo, hi in medians]))
