@@ -1,6 +1,7 @@
 """Timing helpers (a support module): the clock the benchmarks read, and how cost grows.
 
-:func:`timed` and :func:`fastest_interleaved` (runs measured side by side, in turns) serve
+:func:`timed`, :func:`fastest_interleaved` and :func:`median_in_turns` (runs measured side by
+side, in turns) serve
 :mod:`gpt2kimi.experiments`' speed measurements and the command lines of :mod:`gpt2kimi.bench`;
 :func:`loglog_slope` reads a cost's growth off a sweep (1: linear, 2: quadratic). On CUDA every
 clock waits for the GPU's queued work first (:func:`synchronize`). Imports nothing of the
@@ -10,6 +11,7 @@ package.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 
@@ -50,6 +52,20 @@ def fastest_interleaved(runs: dict[str, Callable[[], float]], rounds: int) -> di
         for name, run in runs.items():
             best[name] = min(best[name], run())
     return best
+
+
+def median_in_turns(runs: dict[str, Callable[[], float]], turns: int) -> dict[str, float]:
+    """Seconds of each run, the median of ``turns`` turns in which every run goes once, in turn.
+
+    For short runs (a decode step, one pass over some weights) taken many times: each turn
+    measures every run within a few milliseconds of the others, so each median is taken over
+    the same phases of a machine whose speed drifts. Each run returns the seconds it measured.
+    """
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(turns):
+        for name, run in runs.items():
+            times[name].append(run())
+    return {name: statistics.median(seconds) for name, seconds in times.items()}
 
 
 def loglog_slope(xs: list[float], ys: list[float]) -> float:

@@ -28,7 +28,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m gpt2kimi.bench hybrid", description=__doc__)
     p.add_argument("--contexts", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=24, help="steps of each model, in turn")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--prompts", nargs="+", type=int, default=[32, 1024],

@@ -160,7 +160,7 @@ def rows(rounds: int = 3, quick: bool = False) -> list[Row]:
                    dec["products_fraction"], 0.85))
     contexts = [256, 1024] if quick else [1024, 16384]
     # each model's median of 16 steps per round asked for, the models stepping in turn
-    sweep = decode_sweep(contexts, batch=8, steps=16, repeats=rounds)
+    sweep = decode_sweep(contexts, batch=8, steps=16 * rounds)
     rates = sweep["tokens_per_s"]
     models = build_models()
     for i, (context, target) in enumerate(zip(contexts, (1.0, 3.0), strict=True)):

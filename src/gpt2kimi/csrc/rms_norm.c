@@ -5,6 +5,7 @@
  * row of a few hundred numbers; a decode step of chapter 8's hybrid runs nine of them. fp32,
  * C-contiguous arrays, one thread. Built by gpt2kimi/native.py; tested equal to PyTorch's.
  */
+#include <math.h>
 
 /* rows rows of dim numbers: x [rows, dim], weight [dim] -> out [rows, dim] */
 void rms_norm(int rows, int dim, float eps, const float *x, const float *weight, float *out) {

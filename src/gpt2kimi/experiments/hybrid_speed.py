@@ -19,7 +19,6 @@ they do where there is no C compiler. ``python -m gpt2kimi.bench hybrid`` prints
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,7 +37,7 @@ from gpt2kimi.experiments.decoding import fill_cache
 from gpt2kimi.experiments.reference_speed import greedy_runs
 from gpt2kimi.kimi_linear import KimiHybrid, make_ffn, to_hf_state_dict
 from gpt2kimi.kv_cache import generate
-from gpt2kimi.timing import fastest_interleaved, timed
+from gpt2kimi.timing import fastest_interleaved, median_in_turns, timed
 
 # The book's tiny hybrid: 4 layers, KDA ×3 then MLA, a dense first feed-forward, then experts.
 BENCH_CONFIG = HybridConfig(
@@ -99,22 +98,20 @@ def decode_tokens_per_second(
 
 
 def decode_sweep(
-    contexts: list[int], *, batch: int = 8, steps: int = 8, repeats: int = 3,
-    config: HybridConfig = BENCH_CONFIG,
+    contexts: list[int], *, batch: int = 8, steps: int = 24, config: HybridConfig = BENCH_CONFIG,
 ) -> dict:
     """Tokens/s of the three models at every context length, measured side by side
-    (:func:`step_in_turns`: ``steps · repeats`` steps of each, the models in turn one step at a
-    time, each model's median step)."""
+    (:func:`step_in_turns`: ``steps`` steps of each, the models in turn one step at a time,
+    each model's median step)."""
     models = build_models(config)
     rates: dict[str, list[float]] = {name: [] for name in models}
     for context in contexts:
-        for name, seconds in step_in_turns(models, context, batch=batch,
-                                           steps=steps * repeats).items():
+        for name, seconds in step_in_turns(models, context, batch=batch, steps=steps).items():
             rates[name].append(batch / seconds)
     return {
         "contexts": contexts,
         "batch": batch,
-        "steps": steps * repeats,
+        "steps": steps,
         "tokens_per_s": rates,
         "hybrid_vs_mla": [h / m for h, m in zip(rates["hybrid"], rates["all-MLA"], strict=True)],
         "hybrid_vs_mha": [h / m for h, m in zip(rates["hybrid"], rates["MHA"], strict=True)],
@@ -129,24 +126,27 @@ def step_in_turns(
 
     Every model's cache is filled first (random numbers: a step costs the same whatever the
     cache holds) and each takes one untimed step; then the models step in turn, one step each,
-    ``steps`` times. At long context a step of an attention model reads tens of megabytes, and
-    this machine's memory bandwidth drifts over seconds: taken in turn, step by step, a step of
-    each model meets the same phase of the machine, where whole rounds of several steps (a
-    second apart, with a cache fill between them) met different ones.
+    ``steps`` times (:func:`~gpt2kimi.timing.median_in_turns`). At long context a step of an
+    attention model reads tens of megabytes, and this machine's memory bandwidth drifts over
+    seconds: taken in turn, step by step, a step of each model meets the same phase of the
+    machine, where whole rounds of several steps (a second apart, with a cache fill between
+    them) met different ones.
     """
-    caches, tokens = {}, {}
-    for name, model in models.items():
-        caches[name] = model.new_cache(batch, context + steps + 1)
-        fill_cache(caches[name], context, torch.Generator().manual_seed(0))
-        tokens[name] = model(torch.zeros(batch, 1, dtype=torch.long),
-                             cache=caches[name])[:, -1:].argmax(dim=-1)
-    times: dict[str, list[float]] = {name: [] for name in models}
-    for _ in range(steps):
-        for name, model in models.items():
+
+    def one_step(model: nn.Module) -> Callable[[], float]:
+        cache = model.new_cache(batch, context + steps + 1)
+        fill_cache(cache, context, torch.Generator().manual_seed(0))
+        token = model(torch.zeros(batch, 1, dtype=torch.long), cache=cache)[:, -1:].argmax(-1)
+
+        def run() -> float:
+            nonlocal token
             start = time.perf_counter()
-            tokens[name] = model(tokens[name], cache=caches[name])[:, -1:].argmax(dim=-1)
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(seconds) for name, seconds in times.items()}
+            token = model(token, cache=cache)[:, -1:].argmax(dim=-1)
+            return time.perf_counter() - start
+
+        return run
+
+    return median_in_turns({name: one_step(model) for name, model in models.items()}, steps)
 
 
 def format_sweep(sweep: dict) -> str:

@@ -16,7 +16,6 @@ install.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 
@@ -29,7 +28,7 @@ from gpt2kimi.backbone import LanguageModel, d_by_vocab, release_decode_layouts
 from gpt2kimi.gpt2 import GPT2, GPT2Config
 from gpt2kimi.kv_cache import generate
 from gpt2kimi.roofline import copy_run, decode_step_cost
-from gpt2kimi.timing import fastest_interleaved, timed
+from gpt2kimi.timing import fastest_interleaved, median_in_turns, timed
 from gpt2kimi.train import TrainConfig, configure_optimizer
 
 
@@ -88,7 +87,7 @@ def decode_products_seconds(model: LanguageModel, rounds: int = 5) -> tuple[floa
 
 
 def decode_products_run(model: LanguageModel) -> tuple[Callable[[], float], int]:
-    """:func:`decode_products_seconds` as a run for :func:`~gpt2kimi.timing.fastest_interleaved`
+    """:func:`decode_products_seconds` as a run for :mod:`gpt2kimi.timing`'s side-by-side timings
     (it returns the seconds of one pass over the products), and the bytes one pass reads."""
     linears = [m for m in model.blocks.modules() if isinstance(m, nn.Linear)]
     inputs = {m.in_features: torch.randn(1, m.in_features) for m in linears}
@@ -110,19 +109,21 @@ def decode_in_turns(
 ) -> dict[str, float]:
     """Median seconds of one greedy decode step of ``model`` after ``prompt`` [B, T] (its
     prefill untimed), as ``"step"``, and of each of ``runs`` (functions that return their own
-    seconds): one step, then one call of each run, in turn, ``steps`` times. Every median is
-    taken over the same phases of the machine, and none includes the prefill."""
+    seconds): one step, then one call of each run, in turn, ``steps`` times
+    (:func:`~gpt2kimi.timing.median_in_turns`). Every median is taken over the same phases of
+    the machine, and none includes the prefill."""
     cache = model.new_cache(len(prompt), prompt.size(1) + steps + 1)
     token = model(prompt, cache=cache)[:, -1:].argmax(dim=-1)
-    times: dict[str, list[float]] = {"step": []} | {name: [] for name in runs}
-    for _ in range(steps):
+
+    def step() -> float:
+        nonlocal token
         start = time.perf_counter()
         token = model(token, cache=cache)[:, -1:].argmax(dim=-1)
-        times["step"].append(time.perf_counter() - start)
-        for name, run in runs.items():
-            times[name].append(run())
+        return time.perf_counter() - start
+
+    median = median_in_turns({"step": step} | runs, steps)
     release_decode_layouts(model)  # as generate does, once its tokens are out
-    return {name: statistics.median(seconds) for name, seconds in times.items()}
+    return median
 
 
 @torch.no_grad()
